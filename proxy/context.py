@@ -1,0 +1,42 @@
+"""Per-request state that flows through the plugin chain."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False, slots=True)
+class RequestContext:
+    request_id: str
+    path: str                                  # "/v1/chat/completions" or "/v1/completions"
+    body: dict                                 # parsed JSON; plugins may mutate it
+    headers: Any                               # the client's request headers (CIMultiDictProxy)
+    raw_body: bytes = b""                      # forwarded as-is unless body_changed
+    body_changed: bool = False                 # set by a plugin that mutates `body`
+    api_key: str | None = None
+    stream: bool = False
+    priority: int = 0
+    # monotonic stamps: received, parsed, plugins_done, admitted, upstream_sent, first_byte, done
+    t: dict[str, float] = field(default_factory=dict)
+    upstream: Any = None                       # the chosen proxy.upstream.Upstream
+    route_info: dict = field(default_factory=dict)   # why it was chosen (scores, matched blocks)
+    tokens: list[int] | None = None            # prompt token ids, when a tokenizer is configured
+    block_hashes: list[int] | None = None      # prefix hash chain for routing
+    moved: list = field(default_factory=list)  # what normalization moved
+    response_headers: dict[str, str] = field(default_factory=dict)  # added by plugins
+    status: int | None = None                  # status sent to the client
+    chunks: int = 0                            # SSE data events seen (≈ tokens) for TPOT
+    attempts: int = 0                          # upstreams tried
+    state: dict = field(default_factory=dict)  # per-plugin scratch space, keyed by plugin name
+
+    def stamp(self, name: str) -> float:
+        now = time.monotonic()
+        self.t[name] = now
+        return now
+
+    def since(self, start: str, end: str) -> float | None:
+        """Seconds between two stamps, or None when either is missing."""
+        if start in self.t and end in self.t:
+            return self.t[end] - self.t[start]
+        return None
