@@ -1,0 +1,13 @@
+"""Model architectures the engine can run. All supported families share the Llama layout."""
+from __future__ import annotations
+
+from torch import nn
+
+from prefixgate.backend.models.llama import ConfigError, LlamaConfig, LlamaForCausalLM
+
+__all__ = ["ConfigError", "LlamaConfig", "LlamaForCausalLM", "build_model"]
+
+
+def build_model(config: LlamaConfig) -> nn.Module:
+    """An uninitialised model for `config`; use under `torch.device("meta")` before loading weights."""
+    return LlamaForCausalLM(config)

@@ -1,0 +1,48 @@
+"""Paged attention as the model layers see it: one metadata object per step, one call per layer.
+
+The model never knows how the KV cache is laid out beyond "write these slots, then attend over
+these block tables"; the kernels (Triton on CUDA, plain PyTorch on CPU) live in
+`prefixgate.kernels` and are chosen by `AttentionMetadata.attention_backend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixgate import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step over a flattened batch of T new tokens from S sequences."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [S] int32: tokens in cache after this step, new ones included
+    query_start_loc: torch.Tensor  # [S + 1] int32: offsets of each sequence's new tokens
+    max_seq_len: int
+    is_decode: bool  # every sequence has exactly one new token
+    attention_backend: str | None = None  # "triton", "torch", or None = auto by device
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store the new keys/values in the paged cache, then attend over everything cached."""
+    k_cache, v_cache = kv_cache
+    backend = meta.attention_backend
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
+    if meta.is_decode:
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, backend=backend
+        )
+    return kernels.paged_prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        backend=backend,
+    )

@@ -1,0 +1,250 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+
+Reads top to bottom like the paper: config, RMSNorm, rotary embedding, attention with grouped
+KV heads, SwiGLU MLP, decoder layer, model. Parameter names are exactly Hugging Face's, so a
+checkpoint's state dict loads without renaming. The forward pass takes a flattened batch (all
+new tokens of all sequences in this step, concatenated) and returns hidden states; logits are
+computed separately and only for the rows the sampler needs.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixgate.backend.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """config.json describes a model this engine cannot run."""
+
+
+@dataclass
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or Llama-3: {"rope_type": "llama3", factor, ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LlamaConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if not isinstance(raw.get(key), int):
+                raise ConfigError(f"config.json: {key} is missing or not an integer")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        heads = raw["num_attention_heads"]
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known and v is not None}
+        values["num_key_value_heads"] = raw.get("num_key_value_heads") or heads
+        values["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // heads
+        values["attention_bias"] = bool(raw.get("attention_bias", model_type == "qwen2"))
+        values["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
+        values["rope_theta"], values["rope_scaling"] = _rope_settings(raw)
+        values["max_position_embeddings"] = _context_limit(raw)
+        if heads % values["num_key_value_heads"]:
+            raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        return cls(**values)
+
+
+def _rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """rope_theta and scaling, from either the classic keys or transformers 5's `rope_parameters`."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (default or llama3)")
+    needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in needed if k not in params]
+    if missing:
+        raise ConfigError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}")
+    return theta, {"rope_type": "llama3", **{k: params[k] for k in needed}}
+
+
+def _context_limit(raw: dict) -> int:
+    """Usable context. A sliding window (Mistral v0.1) caps it: this engine attends to everything."""
+    limit = int(raw.get("max_position_embeddings") or 4096)
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
+    if uses_window and isinstance(window, int) and window < limit:
+        limit = window
+    return limit
+
+
+# --- building blocks -------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so half-precision activations do not lose the variance.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """Per-pair rotation speeds; Llama-3 scaling slows the low frequencies for long context."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        # Built on CPU explicitly (even under a meta-device context) and not saved in checkpoints.
+        inv_freq = rope_inverse_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotates the two halves of each head (HF's rotate_half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta, kv_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv_cache)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models reuse the embedding matrix; no separate (and unloadable) head parameter.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
