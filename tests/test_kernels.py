@@ -1,0 +1,98 @@
+"""Kernels vs references vs naive contiguous attention.
+
+Triton runs under the interpreter on CPU (TRITON_INTERPRET=1 must be set before any Triton kernel
+is defined; our Triton modules are imported lazily, so setting it here, at import, is enough even
+when pytest imports several test modules in one process) and natively on CUDA when present.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernel_cases import make_case, naive_attention  # noqa: E402
+
+from prefixgate.kernels import paged_decode_attention, paged_prefill_attention, write_kv  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+           pytest.param("cuda", marks=[pytest.mark.gpu,
+                                       pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
+TOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def assert_close(out, ref, dtype, fp8=False):
+    tol = 3e-2 if fp8 and dtype == torch.float32 else TOL[dtype] * (2 if fp8 else 1)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# Ragged batches: (cached tokens after the step, new tokens) per sequence. The prefill batch
+# covers prefix 0 (whole prompt new), a block-aligned prefix (32 cached + 9 new), an unaligned
+# one (21 + 6), a single new token mixed in (a decode inside a prefill step) and a chunk
+# ending exactly on a block boundary.
+DECODE_LENS = [1, 17, 40, 64]
+PREFILL_LENS, PREFILL_Q = [23, 41, 27, 50, 32], [23, 9, 6, 1, 16]
+
+
+def heads(gqa):
+    return {"num_heads": 2 * gqa, "num_kv_heads": 2}
+
+
+def run_decode(case, backend):
+    return paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                  case.scale, case.k_scale, case.v_scale, backend=backend)
+
+
+def run_prefill(case, backend):
+    return paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   case.query_start_loc, case.scale, case.k_scale, case.v_scale, backend=backend)
+
+
+# ---------------------------------------------------------------- references vs naive SDPA
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_reference_matches_sdpa(gqa, block_size):
+    case = make_case(DECODE_LENS, [1] * 4, block_size=block_size, **heads(gqa))
+    assert_close(run_decode(case, "torch"), naive_attention(case), torch.float32)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_reference_matches_sdpa(gqa, block_size):
+    case = make_case(PREFILL_LENS, PREFILL_Q, block_size=block_size, **heads(gqa))
+    assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_references_match_sdpa_on_dequantized_cache(per_head):
+    case = make_case(PREFILL_LENS, PREFILL_Q, fp8=True, per_head_scale=per_head, **heads(4))
+    assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
+    dec = make_case(DECODE_LENS, [1] * 4, fp8=True, per_head_scale=per_head, **heads(4))
+    assert_close(run_decode(dec, "torch"), naive_attention(dec), torch.float32)
+
+
+def test_decode_reference_empty_sequence_gives_zeros():
+    case = make_case([0, 5], [1, 1], **heads(1))
+    out = run_decode(case, "torch")
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0
+    case.seq_lens, case.block_tables, case.q = case.seq_lens[1:], case.block_tables[1:], case.q[1:]
+    torch.testing.assert_close(out[1:], run_decode(case, "torch"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_write_kv_reference_round_trips(fp8):
+    case = make_case([19, 7], [1, 1], fp8=fp8, per_head_scale=fp8, **heads(1))
+    k_cache, v_cache = torch.zeros_like(case.k_cache), torch.zeros_like(case.v_cache)
+    slots = case.slot_mapping.clone()
+    slots[3] = -1  # padding row: must not be written
+    write_kv(case.k_rows, case.v_rows, k_cache, v_cache, slots, case.k_scale, case.v_scale, backend="torch")
+    hkv, d = k_cache.shape[2:]
+    keep = slots >= 0
+    for cache, full in ((k_cache, case.k_cache), (v_cache, case.v_cache)):
+        got = cache.view(-1, hkv, d)[slots[keep]].float()
+        torch.testing.assert_close(got, full.view(-1, hkv, d)[slots[keep]].float())
+        assert cache.view(-1, hkv, d)[case.slot_mapping[3]].float().abs().max() == 0
