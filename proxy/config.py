@@ -127,7 +127,13 @@ TOP = {
         "port": Key(int, 8080, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
     }),
     "upstreams": Key(list, list),
-    "bundled": Key(dict, None),
+    "bundled": Key(dict, None, nested={
+        "model": Key(str, "demo"),             # a model dir, or "demo" for the built-in model
+        "instances": Key(int, 1, positive),    # engine processes (more than one needs a router)
+        "host": Key(str, "127.0.0.1"),
+        "args": Key(list, list),               # extra `prefixgate backend` flags
+        "startup_timeout_s": Key((int, float), 600.0, positive),
+    }),
     "model": Key(dict, dict, nested={
         "name": Key(str, None),          # served model name, when the gateway must know it
         "tokenizer": Key(str, None),     # dir with tokenizer.json (+ chat template)

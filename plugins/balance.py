@@ -1,0 +1,30 @@
+"""Load-only routing scorers: round robin and least in-flight."""
+from __future__ import annotations
+
+import itertools
+
+from prefixgate.proxy.config import Key, positive
+from prefixgate.proxy.plugin import Plugin
+
+
+class RoundRobin(Plugin):
+    """Each request to the next upstream in turn (the baseline every router is judged by)."""
+    name = "round_robin"
+    spec = {"weight": Key((int, float), 1.0, positive)}
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        self._counter = itertools.count()
+
+    def score(self, ctx, upstreams):
+        turn = next(self._counter) % len(upstreams)
+        return {u: (1.0 if i == turn else 0.0) for i, u in enumerate(upstreams)}
+
+
+class LeastInflight(Plugin):
+    """Prefer the upstream with the most free capacity: 1 - inflight / max_inflight."""
+    name = "least_inflight"
+    spec = {"weight": Key((int, float), 1.0, positive)}
+
+    def score(self, ctx, upstreams):
+        return {u: 1.0 - min(u.inflight / u.max_inflight, 1.0) for u in upstreams}

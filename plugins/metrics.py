@@ -1,0 +1,73 @@
+"""Prometheus metrics for the gateway: TTFT, TPOT, queueing, connects, status, goodput."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from prefixgate.proxy.config import Key, positive
+from prefixgate.proxy.plugin import Plugin
+
+# TTFT spans a cached 5 ms hit to a queued 60 s long-context prefill
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5,
+                   0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                1.0, 2.0)
+
+
+class Metrics(Plugin):
+    """Client-visible latencies, measured at the gateway.
+
+    TTFT is from the request's arrival to the first response byte written to the client;
+    TPOT is (last byte - first byte) / (SSE events - 1). Goodput counts successful requests
+    whose TTFT (and TPOT, when `slo_tpot_ms` is set) meet the SLO.
+    """
+    name = "metrics"
+    spec = {
+        "slo_ttft_ms": Key((int, float), 500.0, positive),
+        "slo_tpot_ms": Key((int, float), None, positive),
+    }
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        reg = gw.registry
+        self.slo_ttft = self.cfg["slo_ttft_ms"] / 1000.0
+        self.slo_tpot = self.cfg["slo_tpot_ms"] / 1000.0 if self.cfg["slo_tpot_ms"] else None
+        self.ttft = Histogram("prefixgate_ttft_seconds", "Time to first byte of the response, "
+                              "measured at the gateway", ["upstream"],
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("prefixgate_tpot_seconds", "Time per output token (SSE event) "
+                              "after the first", ["upstream"], buckets=TPOT_BUCKETS, registry=reg)
+        self.queue = Histogram("prefixgate_queue_seconds", "Time spent waiting for admission",
+                               buckets=LATENCY_BUCKETS, registry=reg)
+        self.connect = Histogram("prefixgate_upstream_connect_seconds", "Time to open a new "
+                                 "upstream connection", ["upstream"],
+                                 buckets=LATENCY_BUCKETS, registry=reg)
+        self.requests = Counter("prefixgate_requests", "Requests by final status",
+                                ["status"], registry=reg)
+        self.goodput = Counter("prefixgate_goodput", "Successful requests meeting the TTFT "
+                               "(and TPOT) SLO", registry=reg)
+        inflight = Gauge("prefixgate_inflight", "Requests in flight per upstream",
+                         ["upstream"], registry=reg)
+        for up in gw.upstreams:
+            inflight.labels(up.name).set_function(lambda up=up: up.inflight)
+            up.on_connect.append(self._observe_connect)
+
+    def _observe_connect(self, upstream, seconds: float) -> None:
+        self.connect.labels(upstream.name).observe(seconds)
+
+    def on_finish(self, ctx, error):
+        self.requests.labels(str(ctx.status or 0)).inc()
+        queued = ctx.since("plugins_done", "admitted")
+        if queued is not None:
+            self.queue.observe(queued)
+        ttft = ctx.since("received", "first_byte")
+        if ttft is None or ctx.upstream is None:
+            return
+        name = ctx.upstream.name
+        self.ttft.labels(name).observe(ttft)
+        tpot = None
+        if ctx.chunks > 1 and "done" in ctx.t:
+            tpot = ctx.since("first_byte", "done") / (ctx.chunks - 1)
+            self.tpot.labels(name).observe(tpot)
+        if error is None and ctx.status == 200 and ttft <= self.slo_ttft and (
+                self.slo_tpot is None or tpot is None or tpot <= self.slo_tpot):
+            self.goodput.inc()

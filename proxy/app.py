@@ -1,0 +1,322 @@
+"""The gateway: an aiohttp app that runs the plugin chain and streams upstream bytes back."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import uuid
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+
+from . import plugin as plugins
+from .context import RequestContext
+from .errors import HTTPError
+from .upstream import Upstream
+
+log = logging.getLogger("prefixgate")
+
+# Connection-scoped headers (RFC 9110 §7.6.1) plus ones the gateway recomputes itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+})
+UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response was complete."""
+
+
+class UpstreamFailed(Exception):
+    """The upstream failed before any byte reached the client: safe to try another one."""
+
+
+class Gateway:
+    def __init__(self, config: dict):
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.upstreams = [Upstream(u) for u in config["upstreams"]]
+        self.retries = config["retries"]
+        self.chain = plugins.Chain(plugins.build(config["plugins"], self))
+        if not self.chain.scorers:     # no router configured: behave like nginx's default
+            rr = plugins.resolve("round_robin")({}, self)
+            self.chain.scorers.append(rr)
+            self.chain.score.append(rr.score)
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        for up in self.upstreams:
+            await up.start()
+
+    async def close(self) -> None:
+        for close in self.chain.close:
+            await close()
+        for up in self.upstreams:
+            await up.close()
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config["limits"]["max_body_bytes"],
+                              middlewares=[self._errors_middleware])
+        for path in COMPLETION_PATHS:
+            app.router.add_post(path, self.handle_completion)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+
+        async def on_startup(_):
+            await self.start()
+
+        async def on_cleanup(_):
+            await self.close()
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+    # --- errors ----------------------------------------------------------------------------
+    @web.middleware
+    async def _errors_middleware(self, request, handler):
+        try:
+            return await handler(request)
+        except HTTPError as e:
+            return e.response()
+        except web.HTTPException as e:     # aiohttp's own: 404, 405, 413 ...
+            if e.status < 400:
+                raise
+            reason = {413: f"request body exceeds limits.max_body_bytes "
+                           f"({self.config['limits']['max_body_bytes']} bytes)",
+                      404: f"no route for {request.method} {request.path}",
+                      405: f"method {request.method} not allowed on {request.path}"}
+            return HTTPError(e.status, reason.get(e.status, e.reason)).response()
+        except (asyncio.CancelledError, ClientGone):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return HTTPError(500, "internal gateway error", code="internal_error").response()
+
+    # --- routing ---------------------------------------------------------------------------
+    def pick(self, ctx: RequestContext, tried: list[Upstream] = ()) -> Upstream:
+        """The best healthy upstream by the weighted sum of the scorers' scores."""
+        healthy = [u for u in self.upstreams if u.healthy]
+        if not healthy:
+            raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
+                            headers={"Retry-After": "1"})
+        cands = [u for u in healthy if u not in tried] or healthy
+        free = [u for u in cands if u.inflight < u.max_inflight]
+        if not free:
+            raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
+                            headers={"Retry-After": "1"})
+        if len(free) == 1:
+            return free[0]
+        totals = dict.fromkeys(free, 0.0)
+        for scorer in self.chain.scorers:
+            for up, score in scorer.score(ctx, free).items():
+                totals[up] += scorer.weight * score
+        best = max(totals.values())
+        return random.choice([u for u, s in totals.items() if s == best])
+
+    # --- handlers --------------------------------------------------------------------------
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        ctx = RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+                             path=request.path, body={}, headers=request.headers)
+        ctx.stamp("received")
+        error: BaseException | None = None
+        try:
+            ctx.raw_body = await request.read()
+            ctx.body = parse_body(ctx.raw_body)
+            ctx.stream = ctx.body.get("stream") is True
+            ctx.stamp("parsed")
+            for hook in self.chain.on_request:
+                await hook(ctx)
+            ctx.stamp("plugins_done")
+            ctx.upstream = self.pick(ctx)
+            for hook in self.chain.admit:
+                await hook(ctx)
+            ctx.stamp("admitted")
+            return await self.forward(request, ctx)
+        except HTTPError as e:
+            error = e
+            ctx.status = e.status
+            return e.response(self._our_headers(ctx))
+        except (asyncio.CancelledError, ClientGone) as e:
+            error = e
+            ctx.status = 499          # nginx's "client closed request"
+            raise
+        except BaseException as e:
+            error = e
+            ctx.status = 500
+            raise
+        finally:
+            ctx.stamp("done")
+            for hook in self.chain.on_finish:
+                try:
+                    hook(ctx, error)
+                except Exception:
+                    log.exception("plugin on_finish failed")
+
+    async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        """Send to the chosen upstream; before the first byte, fail over to another one."""
+        data = (json.dumps(ctx.body, ensure_ascii=False).encode()
+                if ctx.body_changed else ctx.raw_body)
+        tried: list[Upstream] = []
+        while True:
+            ctx.attempts += 1
+            try:
+                return await self._exchange(request, ctx, ctx.upstream, data)
+            except UpstreamFailed as e:
+                tried.append(ctx.upstream)
+                if ctx.attempts > self.retries:
+                    raise HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
+                                    code="upstream_unavailable") from None
+                ctx.upstream = self.pick(ctx, tried)
+
+    async def _exchange(self, request, ctx, up: Upstream, data: bytes) -> web.StreamResponse:
+        up.inflight += 1
+        upstream_resp = None
+        done = False
+        try:
+            ctx.stamp("upstream_sent")
+            try:
+                async with asyncio.timeout(up.timeouts["first_byte"]):
+                    upstream_resp = await up.session.post(
+                        up.url + ctx.path, data=data, headers=self._upstream_headers(ctx, up))
+                    first = await upstream_resp.content.readany() if ctx.stream else None
+            except TimeoutError:
+                raise HTTPError(504, f"upstream {up.name} sent no response within "
+                                f"{up.timeouts['first_byte']}s", code="upstream_timeout") from None
+            except UPSTREAM_ERRORS as e:
+                raise UpstreamFailed(describe(e)) from None
+            if ctx.stream and is_event_stream(upstream_resp):
+                resp = await self._relay_stream(request, ctx, up, upstream_resp, first)
+            else:
+                resp = await self._relay_whole(request, ctx, up, upstream_resp, first)
+            done = True
+            return resp
+        finally:
+            up.inflight -= 1
+            if upstream_resp is not None and not done:
+                upstream_resp.close()      # drop the connection so the backend stops generating
+            elif upstream_resp is not None:
+                upstream_resp.release()
+
+    async def _relay_whole(self, request, ctx, up, upstream_resp, first) -> web.Response:
+        try:
+            async with asyncio.timeout(up.timeouts["idle"]):
+                rest = await upstream_resp.read()
+        except (TimeoutError, *UPSTREAM_ERRORS) as e:
+            raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
+                            code="upstream_error") from None
+        ctx.stamp("first_byte")
+        for hook in self.chain.on_first_byte:
+            hook(ctx)
+        ctx.status = upstream_resp.status
+        return web.Response(status=upstream_resp.status, body=(first or b"") + rest,
+                            headers=self._response_headers(ctx, upstream_resp))
+
+    async def _relay_stream(self, request, ctx, up, upstream_resp, first) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream_resp.status,
+                                  headers=self._response_headers(ctx, upstream_resp))
+        ctx.status = upstream_resp.status
+        on_chunk = self.chain.on_chunk
+        content = upstream_resp.content
+        idle = up.timeouts["idle"]
+        try:
+            await resp.prepare(request)
+            chunk = first
+            ctx.stamp("first_byte")
+            for hook in self.chain.on_first_byte:
+                hook(ctx)
+            while chunk:
+                ctx.chunks += chunk.count(b"data:")
+                for hook in on_chunk:
+                    hook(ctx, chunk)
+                await resp.write(chunk)
+                try:
+                    async with asyncio.timeout(idle):
+                        chunk = await content.readany()
+                except (TimeoutError, *UPSTREAM_ERRORS) as e:
+                    err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
+                                    code="upstream_error")
+                    ctx.status = 502
+                    await resp.write(err.sse_event())
+                    break
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+            raise ClientGone(str(e)) from None
+        return resp
+
+    # --- headers ---------------------------------------------------------------------------
+    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> dict[str, str]:
+        headers = {k: v for k, v in ctx.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["Accept-Encoding"] = "identity"       # never let a stream be compressed
+        headers["X-Request-Id"] = ctx.request_id
+        headers["Content-Type"] = "application/json"
+        headers.update(up.extra_headers)
+        return headers
+
+    def _our_headers(self, ctx: RequestContext) -> dict[str, str]:
+        headers = {"x-prefixgate-request-id": ctx.request_id, **ctx.response_headers}
+        if ctx.upstream is not None:
+            headers["x-prefixgate-upstream"] = ctx.upstream.name
+        return headers
+
+    def _response_headers(self, ctx, upstream_resp) -> dict[str, str]:
+        headers = {k: v for k, v in upstream_resp.headers.items()
+                   if k.lower() not in HOP_BY_HOP and k.lower() not in ("date", "server")}
+        if ctx.stream:
+            headers["Cache-Control"] = "no-cache"
+            headers["X-Accel-Buffering"] = "no"       # tell any proxy in front not to buffer
+        headers.update(self._our_headers(ctx))
+        return headers
+
+    # --- other endpoints -------------------------------------------------------------------
+    async def handle_models(self, request: web.Request) -> web.Response:
+        async def fetch(up: Upstream):
+            try:
+                async with asyncio.timeout(up.timeouts["connect"] + 5):
+                    async with up.session.get(up.url + "/v1/models") as r:
+                        return (await r.json(content_type=None)).get("data", []) if r.ok else None
+            except Exception:       # one dead upstream must not hide the others' models
+                return None
+        results = await asyncio.gather(*(fetch(u) for u in self.upstreams if u.healthy))
+        if all(r is None for r in results):
+            raise HTTPError(502, "no upstream answered /v1/models", code="upstream_unavailable")
+        merged: dict[str, dict] = {}
+        for models in results:
+            for m in models or []:
+                if isinstance(m, dict) and "id" in m:
+                    merged.setdefault(m["id"], m)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        ups = {u.name: {"healthy": u.healthy, "inflight": u.inflight} for u in self.upstreams}
+        ok = any(u.healthy for u in self.upstreams)
+        return web.json_response({"status": "ok" if ok else "unavailable", "upstreams": ups},
+                                 status=200 if ok else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.status == 200 and resp.content_type == "text/event-stream"
+
+
+def describe(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "idle timeout"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -1,0 +1,123 @@
+"""`prefixgate` command line: serve, backend, verify-weights, bench, doctor."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.resources
+import logging
+import signal
+import sys
+
+from . import config as config_mod
+from .config import ConfigError
+
+# subcommands implemented elsewhere: name -> module whose main(argv) -> int runs it
+DELEGATED = {
+    "backend": ("prefixgate.backend.server", "serve a model with the bundled engine"),
+    "verify-weights": ("prefixgate.backend.loader", "check a checkpoint's shards, hashes, keys"),
+    "bench": ("prefixgate.proxy.bench", "measure TTFT/TPOT/goodput against a URL"),
+    "doctor": ("prefixgate.proxy.doctor", "diagnose TTFT problems of an OpenAI-compatible URL"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return module.main(argv[1:]) or 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    return serve_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixgate", description="Cut LLM time-to-first-"
+                                     "token: a streaming gateway and a bundled engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the gateway (no --config: standalone demo)")
+    serve.add_argument("--config", help="YAML config file (default: conf/standalone.yaml, the "
+                                        "bundled engine on the demo model)")
+    serve.add_argument("--host", help="listen address (overrides listen.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument("--log-level", default="info")
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def load_config(args) -> dict:
+    if args.config:
+        cfg = config_mod.load(args.config)
+    else:
+        path = importlib.resources.files("prefixgate.conf") / "standalone.yaml"
+        with importlib.resources.as_file(path) as p:
+            cfg = config_mod.load(p)
+    if args.host:
+        cfg["listen"]["host"] = args.host
+    if args.port is not None:
+        cfg["listen"]["port"] = args.port
+    return cfg
+
+
+def serve_command(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        print(f"prefixgate: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve(cfg))
+    except ConfigError as e:        # plugin settings are checked when the chain is built
+        print(f"prefixgate: config error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
+        print(f"prefixgate: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(cfg: dict) -> None:
+    from .app import Gateway
+    from .bundled import BundledEngines
+    from .server import start_app
+
+    engines = None
+    if cfg["bundled"] is not None:
+        engines = BundledEngines(cfg["bundled"])
+        cfg = {**cfg, "upstreams": cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])}
+    gateway = Gateway(cfg)          # builds (and so validates) the plugin chain first
+    try:
+        if engines is not None:
+            print(f"prefixgate: starting {len(engines.urls)} bundled engine(s) on model "
+                  f"{cfg['bundled']['model']!r} ...", flush=True)
+            await engines.start()
+        runner, url = await start_app(gateway.make_app(), cfg["listen"]["host"],
+                                      cfg["listen"]["port"])
+        names = ", ".join(f"{u.name}={u.url}" for u in gateway.upstreams)
+        print(f"prefixgate: gateway listening on {url} (OpenAI API at {url}/v1) -> {names}",
+              flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("prefixgate: shutting down", flush=True)
+        await runner.cleanup()
+    finally:
+        if engines is not None:
+            await engines.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""A stand-in OpenAI-compatible upstream that streams SSE like vLLM.
+
+Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. It records what it
+received, counts TCP connections and aborted streams, and can be slowed down or made to
+misbehave. Per-request behaviour can be overridden with a vendor field in the request body,
+`"x_standin": {"gap": 0.3, ...}` (which also proves that unknown fields pass through).
+
+    python -m prefixgate.proxy.standin --port 8001 --tokens 16 --gap 0.01
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field, fields, replace
+
+from aiohttp import web
+
+from .server import start_app
+
+
+@dataclass
+class Behaviour:
+    tokens: int = 8              # content events per streamed response
+    first_delay: float = 0.0     # seconds before the first event (prefill)
+    gap: float = 0.0             # seconds between events (decode)
+    model: str = "standin-model"
+    fail: str = ""               # "", "reset_after" (close mid-stream), "hang", "garbage", "status"
+    fail_after: int = 2          # events sent before "reset_after" closes the connection
+    status: int = 500            # status for fail="status"
+    record: bool = True          # keep request bodies (off for long benchmarks)
+
+
+@dataclass
+class StandIn:
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    requests: list = field(default_factory=list)
+    connections: int = 0
+    aborted: int = 0
+    completed: int = 0
+    running: int = 0
+    url: str = ""
+    _peers: set = field(default_factory=set)      # client (host, port): one per connection
+    _runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.completion)
+        app.router.add_post("/v1/completions", self.completion)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "StandIn":
+        self._runner, self.url = await start_app(self.app(), host, port)
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _count_connection(self, request: web.Request) -> None:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if peer not in self._peers:
+            self._peers.add(peer)
+            self.connections += 1
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        self._count_connection(request)
+        body = await request.json()
+        overrides = body.get("x_standin") or {}
+        known = {f.name for f in fields(Behaviour)}
+        b = replace(self.behaviour, **{k: v for k, v in overrides.items() if k in known})
+        if b.record:
+            self.requests.append({"path": request.path, "json": body,
+                                  "headers": dict(request.headers), "t": time.monotonic()})
+        if b.fail == "status":
+            return web.json_response({"error": {"message": "stand-in failure", "type":
+                                                "server_error", "code": None}}, status=b.status)
+        if b.fail == "hang":
+            await asyncio.sleep(3600)
+        if b.fail == "garbage":
+            return web.Response(body=b"\x00not json at all", content_type="text/plain")
+        self.running += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, b)
+            await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
+            return web.json_response(self._whole(request.path, body, b))
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _stream(self, request, body, b: Behaviour) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chat = request.path.endswith("chat/completions")
+        rid = f"cmpl-{id(request):x}"
+        if b.first_delay:
+            await asyncio.sleep(b.first_delay)
+        for i in range(b.tokens):
+            if b.fail == "reset_after" and i == b.fail_after:
+                request.transport.close()
+                return resp
+            if i and b.gap:
+                await asyncio.sleep(b.gap)
+            await resp.write(b"data: " + json.dumps(_chunk(rid, chat, i, b.model)).encode()
+                             + b"\n\n")
+        usage = {"prompt_tokens": _prompt_len(body), "completion_tokens": b.tokens,
+                 "total_tokens": _prompt_len(body) + b.tokens}
+        final = _chunk(rid, chat, None, b.model)
+        final["usage"] = usage
+        await resp.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        self.completed += 1
+        return resp
+
+    def _whole(self, path, body, b: Behaviour) -> dict:
+        text = "".join(f"tok{i} " for i in range(b.tokens))
+        usage = {"prompt_tokens": _prompt_len(body), "completion_tokens": b.tokens,
+                 "total_tokens": _prompt_len(body) + b.tokens}
+        self.completed += 1
+        if path.endswith("chat/completions"):
+            return {"id": "chatcmpl-standin", "object": "chat.completion", "model": b.model,
+                    "created": int(time.time()), "usage": usage,
+                    "choices": [{"index": 0, "finish_reason": "length",
+                                 "message": {"role": "assistant", "content": text}}]}
+        return {"id": "cmpl-standin", "object": "text_completion", "model": b.model,
+                "created": int(time.time()), "usage": usage,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.behaviour.model, "object": "model", "owned_by": "standin"}]})
+
+    async def health(self, request):
+        return web.Response(text="ok")
+
+    async def metrics(self, request):
+        return web.Response(text=(
+            f"vllm:num_requests_running {self.running}\n"
+            f"vllm:num_requests_waiting 0\n"
+            f"vllm:kv_cache_usage_perc 0.0\n"))
+
+
+def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
+    finish = "length" if i is None else None
+    if chat:
+        delta = {} if i is None else ({"role": "assistant", "content": f"tok{i} "} if i == 0
+                                      else {"content": f"tok{i} "})
+        return {"id": rid, "object": "chat.completion.chunk", "created": 0, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return {"id": rid, "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": "" if i is None else f"tok{i} ",
+                         "finish_reason": finish}]}
+
+
+def _prompt_len(body: dict) -> int:
+    """A rough prompt length in 'tokens' (4 characters each), for the usage field."""
+    if "messages" in body:
+        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    else:
+        text = str(body.get("prompt", ""))
+    return max(1, len(text) // 4)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.standin",
+                                description="Stand-in OpenAI-compatible SSE upstream")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--first-delay", type=float, default=0.0)
+    p.add_argument("--gap", type=float, default=0.0)
+    p.add_argument("--no-record", action="store_true", help="don't keep request bodies")
+    args = p.parse_args(argv)
+    standin = StandIn(Behaviour(tokens=args.tokens, first_delay=args.first_delay, gap=args.gap,
+                                record=not args.no_record))
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(standin.app(), host=args.host, port=args.port, access_log=None,
+                handler_cancellation=True, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

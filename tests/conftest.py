@@ -1,0 +1,64 @@
+"""Shared fixtures: real servers on loopback ports, started on the test's event loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.server import start_app
+from prefixgate.proxy.standin import Behaviour, StandIn
+
+
+@dataclass
+class GatewayHandle:
+    gateway: Gateway
+    url: str
+    runner: object
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def make_standin():
+    """`await make_standin(tokens=8, gap=0.0, ...)` → a running StandIn (.url, .requests)."""
+    started = []
+
+    async def factory(**behaviour) -> StandIn:
+        s = await StandIn(Behaviour(**behaviour)).start()
+        started.append(s)
+        return s
+    yield factory
+    for s in started:
+        await s.stop()
+
+
+@pytest.fixture
+async def standin(make_standin):
+    return await make_standin()
+
+
+@pytest.fixture
+async def make_gateway():
+    """`await make_gateway({...config...})` → a running gateway (validated like a YAML file)."""
+    started = []
+
+    async def factory(raw: dict) -> GatewayHandle:
+        cfg = config_mod.validate(raw)
+        gw = Gateway(cfg)
+        runner, url = await start_app(gw.make_app(), "127.0.0.1", 0)
+        handle = GatewayHandle(gw, url, runner)
+        started.append(handle)
+        return handle
+    yield factory
+    for h in started:
+        await h.stop()
+
+
+@pytest.fixture
+async def gateway(make_gateway, standin):
+    """A gateway with one stand-in upstream named `a`."""
+    return await make_gateway({"upstreams": [{"name": "a", "url": standin.url}],
+                               "plugins": [{"metrics": {}}]})
