@@ -62,9 +62,12 @@ def _hf_config(kind: str, eos_id: int, overrides: dict):
     return cls(**kwargs)
 
 
-def make_tiny_model(dir: str | Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
+def make_tiny_model(
+    dir: str | Path, kind: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """Build and save a tiny random model of `kind` ("llama", "qwen2" or "mistral") in `dir`.
 
+    `max_shard_size` (e.g. "100KB") saves a sharded checkpoint with an index.
     `overrides` go to the transformers config (e.g. tie_word_embeddings=True, rope_scaling=...,
     num_hidden_layers=3); weights are saved in float32.
     """
@@ -81,6 +84,7 @@ def make_tiny_model(dir: str | Path, kind: str = "llama", seed: int = 0, **overr
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
-    model.save_pretrained(out, safe_serialization=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
     write_tokenizer_files(out, tok, model_max_length=config.max_position_embeddings)
     return out
