@@ -9,6 +9,7 @@ import uuid
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
 from . import plugin as plugins
@@ -249,8 +250,9 @@ class Gateway:
         return resp
 
     # --- headers ---------------------------------------------------------------------------
-    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> dict[str, str]:
-        headers = {k: v for k, v in ctx.headers.items() if k.lower() not in HOP_BY_HOP}
+    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> CIMultiDict:
+        headers = CIMultiDict((k, v) for k, v in ctx.headers.items()
+                              if k.lower() not in HOP_BY_HOP)
         headers["Accept-Encoding"] = "identity"       # never let a stream be compressed
         headers["X-Request-Id"] = ctx.request_id
         headers["Content-Type"] = "application/json"

@@ -55,6 +55,8 @@ def one_of(*choices: str) -> Callable[[Any], str | None]:
 
 def _type_name(types) -> str:
     types = types if isinstance(types, tuple) else (types,)
+    if float in types:                      # an int is a number too
+        types = tuple(t for t in types if t is not int)
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
              list: "a list", dict: "a mapping", type(None): "null"}
     return " or ".join(names.get(t, t.__name__) for t in types)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from .server import start_app
 
@@ -75,7 +76,7 @@ class StandIn:
         b = replace(self.behaviour, **{k: v for k, v in overrides.items() if k in known})
         if b.record:
             self.requests.append({"path": request.path, "json": body,
-                                  "headers": dict(request.headers), "t": time.monotonic()})
+                                  "headers": CIMultiDict(request.headers), "t": time.monotonic()})
         if b.fail == "status":
             return web.json_response({"error": {"message": "stand-in failure", "type":
                                                 "server_error", "code": None}}, status=b.status)
@@ -96,11 +97,14 @@ class StandIn:
             self.running -= 1
 
     async def _stream(self, request, body, b: Behaviour) -> web.StreamResponse:
+        if b.fail == "reset_after" and b.fail_after == 0:
+            request.transport.close()          # reset before any byte of the response
+            return web.Response()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         chat = request.path.endswith("chat/completions")
-        rid = f"cmpl-{id(request):x}"
+        rid = "cmpl-standin"          # fixed, so proxied and direct streams compare byte for byte
         if b.first_delay:
             await asyncio.sleep(b.first_delay)
         for i in range(b.tokens):
