@@ -1,0 +1,161 @@
+"""Scheduler: decode-first batching, chunked prefill, preemption by recompute, stop, abort.
+
+A stand-in "model" samples the token `len(seq) % 97` (deterministic in the sequence's own
+history, as greedy decoding is), so recompute after preemption must reproduce the same stream.
+"""
+from prefixgate.backend.block_manager import BlockManager
+from prefixgate.backend.sampling import SamplingParams
+from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
+from prefixgate.backend.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=64, eos=(), **cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", num_blocks * BS)
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, BS), set(eos))
+
+
+def seq(n: int, max_tokens=4, start=0, **kw) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def step(s: Scheduler):
+    batch = s.schedule()
+    if batch is None:
+        return None
+    tokens = [len(q) % 97 if batch.samples(i) else None for i, q in enumerate(batch.seqs)]
+    s.update(batch, tokens)
+    return batch
+
+
+def run(s: Scheduler, limit=1000) -> int:
+    steps = 0
+    while s.has_unfinished():
+        assert step(s) is not None, "scheduler stalled with work left"
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+def expected_output(q: Sequence) -> list[int]:
+    return [(q.num_prompt_tokens + i) % 97 for i in range(q.params.max_tokens)]
+
+
+def test_single_sequence_prefill_then_decode():
+    s = make()
+    q = seq(10, max_tokens=3)
+    s.add(q)
+    first = step(s)
+    assert first.num_new_tokens == [10] and not first.is_decode
+    assert step(s).is_decode
+    run(s)
+    assert q.output_token_ids == expected_output(q) and q.finish_reason == "length"
+    assert s.bm.usage() == 0.0
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
+    s = make(max_num_batched_tokens=16)
+    q = seq(40, max_tokens=2)
+    s.add(q)
+    sizes = []
+    while q.num_output_tokens == 0:
+        sizes.append(step(s).num_tokens)
+    assert sizes == [16, 16, 8]
+    run(s)
+    assert q.output_token_ids == expected_output(q)
+
+
+def test_short_prompts_are_not_held_up_by_a_long_one():
+    s = make(num_blocks=256, max_num_batched_tokens=32)
+    long = seq(400, max_tokens=1)
+    shorts = [seq(5, start=1000 + 10 * i, max_tokens=1) for i in range(4)]
+    for q in [long, *shorts]:
+        s.add(q)
+    batch = step(s)
+    assert set(batch.seqs) == {long, *shorts}
+    assert batch.num_tokens == 32                       # leftover budget went to the long prompt
+    assert all(q.is_finished for q in shorts) and not long.is_finished
+
+
+def test_without_chunking_prompts_are_taken_whole():
+    s = make(num_blocks=256, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    long = seq(400, max_tokens=1)
+    short = seq(5, start=1000, max_tokens=1)
+    s.add(long)
+    s.add(short)
+    batch = step(s)
+    assert batch.seqs == [long] and batch.num_new_tokens == [400]   # oversize: runs alone
+    assert step(s).seqs == [short]
+
+
+def test_decodes_come_first_and_max_num_seqs_caps_the_batch():
+    s = make(max_num_seqs=2, max_num_batched_tokens=64)
+    a, b, c = seq(6, max_tokens=5), seq(6, start=100, max_tokens=5), seq(6, start=200, max_tokens=5)
+    for q in (a, b, c):
+        s.add(q)
+    assert step(s).seqs == [a, b]                       # c waits for a free slot
+    batch = step(s)
+    assert batch.seqs == [a, b] and batch.is_decode
+    run(s)
+    for q in (a, b, c):
+        assert q.output_token_ids == expected_output(q)
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s = make(num_blocks=8, max_num_batched_tokens=64)    # 32 slots; each sequence grows to 20
+    qs = [seq(10, start=100 * i, max_tokens=10) for i in range(3)]
+    for q in qs:
+        s.add(q)
+    run(s)
+    assert s.num_preemptions > 0
+    for q in qs:
+        assert q.output_token_ids == expected_output(q)
+    assert s.bm.usage() == 0.0
+
+
+def test_stop_on_eos_unless_ignored():
+    s = make(eos={12})
+    stopped, ignored = seq(11, max_tokens=5), seq(11, start=500, max_tokens=5, ignore_eos=True)
+    # len 11 -> samples 11, then len 12 -> samples 12 == eos
+    s.add(stopped)
+    s.add(ignored)
+    run(s)
+    assert stopped.output_token_ids == [11, 12] and stopped.finish_reason == "stop"
+    assert ignored.num_output_tokens == 5 and ignored.finish_reason == "length"
+
+
+def test_stop_token_ids_and_max_model_len():
+    s = make(max_model_len=14)
+    a = seq(10, max_tokens=50, stop_token_ids=[11])
+    b = seq(10, start=300, max_tokens=50)
+    s.add(a)
+    s.add(b)
+    run(s)
+    assert a.output_token_ids == [10, 11] and a.finish_reason == "stop"
+    assert len(b) == 14 and b.finish_reason == "length"
+
+
+def test_abort_frees_blocks_waiting_or_running():
+    s = make(max_num_seqs=1)
+    a, b = seq(10, max_tokens=100), seq(10, start=100, max_tokens=100)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.status is SequenceStatus.RUNNING and s.bm.usage() > 0
+    s.finish(b, "abort")                                 # still waiting
+    s.finish(a, "abort")
+    assert not s.has_unfinished() and s.bm.usage() == 0.0
+    assert a.finish_reason == b.finish_reason == "abort"
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = make(max_num_batched_tokens=64)
+    first = seq(20, max_tokens=1)
+    s.add(first)
+    run(s)
+    again = Sequence(list(range(16)) + [77, 78], SamplingParams(max_tokens=1))
+    s.add(again)
+    batch = step(s)
+    assert batch.num_new_tokens == [2] and again.num_cached_tokens == 16
+    assert s.bm.prefix_hits == 16
