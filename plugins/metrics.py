@@ -1,7 +1,8 @@
 """Prometheus metrics for the gateway: TTFT, TPOT, queueing, connects, status, goodput."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from prefixgate.proxy.config import Key, positive
 from prefixgate.proxy.plugin import Plugin
@@ -45,11 +46,8 @@ class Metrics(Plugin):
                                 ["status"], registry=reg)
         self.goodput = Counter("prefixgate_goodput", "Successful requests meeting the TTFT "
                                "(and TPOT) SLO", registry=reg)
-        inflight = Gauge("prefixgate_inflight", "Requests in flight per upstream",
-                         ["upstream"], registry=reg)
-        for up in gw.upstreams:
-            inflight.labels(up.name).set_function(lambda up=up: up.inflight)
-            up.on_connect.append(self._observe_connect)
+        reg.register(_InflightCollector(gw))
+        gw.on_connect.append(self._observe_connect)
 
     def _observe_connect(self, upstream, seconds: float) -> None:
         self.connect.labels(upstream.name).observe(seconds)
@@ -71,3 +69,17 @@ class Metrics(Plugin):
         if error is None and ctx.status == 200 and ttft <= self.slo_ttft and (
                 self.slo_tpot is None or tpot is None or tpot <= self.slo_tpot):
             self.goodput.inc()
+
+
+class _InflightCollector:
+    """`prefixgate_inflight{upstream}` read at scrape time, so upstreams may come and go."""
+
+    def __init__(self, gw):
+        self.gw = gw
+
+    def collect(self):
+        family = GaugeMetricFamily("prefixgate_inflight", "Requests in flight per upstream",
+                                   labels=["upstream"])
+        for up in self.gw.upstreams:
+            family.add_metric([up.name], up.inflight)
+        yield family

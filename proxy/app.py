@@ -40,7 +40,8 @@ class Gateway:
     def __init__(self, config: dict):
         self.config = config
         self.registry = CollectorRegistry()
-        self.upstreams = [Upstream(u) for u in config["upstreams"]]
+        self.on_connect: list = []          # (upstream, seconds) callbacks, e.g. metrics
+        self.upstreams = [Upstream(u, self.on_connect) for u in config["upstreams"]]
         self.retries = config["retries"]
         self.chain = plugins.Chain(plugins.build(config["plugins"], self))
         if not self.chain.scorers:     # no router configured: behave like nginx's default
@@ -52,12 +53,40 @@ class Gateway:
     async def start(self) -> None:
         for up in self.upstreams:
             await up.start()
+        for start in self.chain.start:
+            await start()
 
     async def close(self) -> None:
         for close in self.chain.close:
             await close()
         for up in self.upstreams:
             await up.close()
+
+    async def set_upstreams(self, configs: list[dict]) -> None:
+        """Replace the upstream set (discovery, hot reload) without a restart.
+
+        Upstreams whose name and URL are unchanged keep their pool and counters; new ones
+        are started; removed ones stop receiving requests at once and are closed after
+        their in-flight requests finish.
+        """
+        current = {(u.name, u.url): u for u in self.upstreams}
+        wanted, new = [], []
+        for cfg in configs:
+            up = current.pop((cfg["name"], cfg["url"]), None)
+            if up is None:
+                up = Upstream(cfg, self.on_connect)
+                await up.start()
+                new.append(up)
+            wanted.append(up)
+        self.upstreams = wanted
+        for gone in current.values():
+            asyncio.get_running_loop().create_task(self._drain_and_close(gone))
+
+    @staticmethod
+    async def _drain_and_close(up: Upstream, poll_s: float = 0.1) -> None:
+        while up.inflight:
+            await asyncio.sleep(poll_s)
+        await up.close()
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config["limits"]["max_body_bytes"],

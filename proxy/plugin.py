@@ -27,7 +27,7 @@ BUILTIN = {
     "admission": "prefixgate.plugins.admission:Admission",
 }
 
-HOOKS = ("on_request", "score", "admit", "on_first_byte", "on_chunk", "on_finish", "close")
+HOOKS = ("start", "on_request", "score", "admit", "on_first_byte", "on_chunk", "on_finish", "close")
 
 
 class Plugin:
@@ -41,6 +41,8 @@ class Plugin:
         self.weight = float(self.cfg.get("weight", 1.0))
 
     # Hooks (all optional; shown here for documentation, detected by override):
+    # async def start(self) -> None                                   when the gateway starts
+    #                                                                 (start background tasks)
     # async def on_request(self, ctx: RequestContext) -> None        rewrite ctx.body or raise HTTPError
     # def score(self, ctx, upstreams: list[Upstream]) -> dict[Upstream, float]   routing plugins
     # async def admit(self, ctx) -> None                              wait for a slot or raise HTTPError

@@ -14,7 +14,7 @@ class Upstream:
     connections alive; aiohttp sets TCP_NODELAY on every connection it opens.
     """
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, on_connect: list | None = None):
         self.cfg = cfg
         self.name: str = cfg["name"]
         self.url: str = cfg["url"]
@@ -24,7 +24,9 @@ class Upstream:
         self.inflight = 0
         self.healthy = True
         self.connections_opened = 0
-        self.on_connect: list[Callable[["Upstream", float], None]] = []   # metrics hook
+        # called with (upstream, seconds) for each new connection; shared gateway-wide
+        self.on_connect: list[Callable[["Upstream", float], None]] = (
+            on_connect if on_connect is not None else [])
         self.session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:

@@ -105,3 +105,22 @@ async def test_prefixgate_serve_end_to_end(make_standin, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_upstreams_join_and_leave_without_a_restart(make_standin, make_gateway):
+    a, b = await make_standin(), await make_standin(tokens=50, gap=0.02)
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}], "plugins": ["round_robin"]})
+    cfg_a = gw.gateway.upstreams[0].cfg
+    cfg_b = {**cfg_a, "name": "b", "url": b.url}
+    await gw.gateway.set_upstreams([cfg_a, cfg_b])
+    async with aiohttp.ClientSession() as client:
+        assert Counter([(await chat(client, gw.url))[1] for _ in range(4)]) == {"a": 2, "b": 2}
+        # b leaves while streaming: its stream finishes, new requests go to a only
+        async with client.post(gw.url + "/v1/chat/completions",
+                               json={**CHAT, "stream": True, "x_standin": {"gap": 0.02}}) as r:
+            leaving = r.headers["x-prefixgate-upstream"]
+            keep = cfg_a if leaving == "b" else cfg_b
+            await gw.gateway.set_upstreams([keep])
+            body = await r.read()
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert {(await chat(client, gw.url))[1] for _ in range(3)} == {keep["name"]}
