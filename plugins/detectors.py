@@ -1,0 +1,275 @@
+"""Typed detectors for per-request values in prompt text (dates, times, ids, tokens).
+
+Precision first: a value is reported only when
+
+* a label right before it marks it as current / per-request ("Current time:", "当前时间是",
+  "Request ID:"), and the value has a type that fits the label (a time label takes a date,
+  time or epoch; an id label takes a UUID, ULID, JWT, random token or id-like word), or
+* it is *bare* but of a type that is per-request by nature (UUID, ULID, JWT; configurable).
+
+Everything else — versions, prices, phone numbers, IPs, hex colours, commit hashes, fixed
+dates ("last updated 2023-11-05") — has no such label and stays. Text inside code blocks,
+inline code and embedded tool definitions is never looked at.
+
+Cost: every value we look for contains an ASCII digit, so one C-level regex pass finds the
+digit-bearing tokens and all per-token work (label check, type check) runs only on those.
+"""
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from dataclasses import dataclass
+
+TYPES = ("datetime", "epoch", "uuid", "ulid", "jwt", "token", "id")
+
+# --- labels ---------------------------------------------------------------------------------
+# Longer forms first so the regex prefers them. Spaces match any run of spaces, `-` or `_`.
+TIME_LABELS = [
+    "current date and time", "current date/time", "current datetime", "current date",
+    "current utc time", "current local time", "current server time", "current timestamp",
+    "current time", "the time now", "time now", "right now", "date and time now",
+    "today's date", "todays date", "date today", "today", "now", "timestamp",
+    "request time", "request timestamp", "server time", "system time", "local time now",
+    "当前日期时间", "当前北京时间", "当前系统时间", "当前时间", "当前日期", "当前时刻", "现在时间",
+    "现在的时间", "现在", "今天的日期", "今天", "今日", "系统时间",
+    "服务器时间", "请求时间", "时间戳", "此刻",
+]
+ID_LABELS = [
+    "x-request-id", "request id", "requestid", "req id", "trace id", "traceid", "span id",
+    "session id", "sessionid", "conversation id", "chat id", "message id", "correlation id",
+    "run id", "invocation id", "interaction id", "turn id", "nonce", "idempotency key",
+    "请求ID", "请求编号", "请求标识", "会话ID", "会话编号", "会话标识", "对话ID", "追踪ID",
+    "跟踪ID", "链路ID", "流水号", "随机数",
+]
+# A window must contain one of these (lower-cased) before the label regex is tried.
+ANCHORS = ("time", "date", "today", "now", "stamp", "id", "nonce", "key",
+           "时间", "日期", "今天", "今日", "现在", "此刻", "时刻", "编号", "标识", "流水", "随机")
+WINDOW = 72          # chars before a token searched for its label
+
+# --- value grammars ---------------------------------------------------------------------------
+_MON = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
+        r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
+_DOW = (r"(?:Mon(?:day)?|Tue(?:s(?:day)?)?|Wed(?:nesday)?|Thu(?:r(?:s(?:day)?)?)?|Fri(?:day)?"
+        r"|Sat(?:urday)?|Sun(?:day)?)")
+_TZ = (r"(?:\s?(?:Z|[+-][0-9]{2}:?[0-9]{2}|(?:UTC|GMT)(?:\s?[+-][0-9]{1,2}(?::?[0-9]{2})?)?"
+       r"|[ECMP][SD]T|CES?T|BST|IST|JST|KST|AES?T)(?![A-Za-z])"
+       r"|\s?[(（](?:UTC|GMT|[A-Z]{2,4}T|北京时间)[^()（）\n]{0,8}[)）])?")
+_TIME = (r"[0-9]{1,2}:[0-9]{2}(?::[0-9]{2}(?:[.,][0-9]{1,9})?)?(?:\s?[AaPp]\.?[Mm]\.?)?" + _TZ)
+_ISO = r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:(?:T|\s)" + _TIME + r")?"
+_SLASH = (r"(?:[0-9]{4}/[0-9]{1,2}/[0-9]{1,2}|[0-9]{1,2}/[0-9]{1,2}/[0-9]{2,4}"
+          r"|[0-9]{1,2}\.[0-9]{1,2}\.[0-9]{4})(?:,?\s" + _TIME + r")?")
+_RFC2822 = _DOW + r",?\s+[0-9]{1,2}\s+" + _MON + r"\s+[0-9]{4}(?:\s+" + _TIME + r")?"
+_ENG_DATE = (r"(?:" + _DOW + r"\.?,?\s+)?(?:" + _MON + r"\.?\s+[0-9]{1,2}(?:st|nd|rd|th)?,?\s+"
+             r"[0-9]{4}|[0-9]{1,2}(?:st|nd|rd|th)?\s+(?:of\s+)?" + _MON + r"\.?,?\s+[0-9]{4})")
+_ENG = _ENG_DATE + r"(?:,?\s+(?:at\s+)?" + _TIME + r")?"
+_TIME_FIRST = _TIME + r"(?:,?\s+(?:on\s+)?(?:" + _ENG_DATE + r"|[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}))?"
+_CN_DOW = r"(?:星期|周)[一二三四五六日天]"
+_CN_TIME = (r"(?:上午|下午|晚上|凌晨|中午|早上)?\s*[0-9]{1,2}(?:[:：][0-9]{2}(?:[:：][0-9]{2})?"
+            r"|[时点](?:[0-9]{1,2}分(?:[0-9]{1,2}秒)?|半)?)")
+_CN = (r"(?:" + _CN_DOW + r"[，,\s]*)?[0-9]{4}年[0-9]{1,2}月[0-9]{1,2}[日号]"
+       r"(?:\s*[（(]?" + _CN_DOW + r"[)）]?)?(?:[，,]?\s*" + _CN_TIME + r")?" + _TZ)
+
+_DATETIME = "|".join(f"(?:{p})" for p in (_CN, _ISO, _RFC2822, _ENG, _SLASH, _TIME_FIRST,
+                                          _CN_TIME + _TZ))
+_EPOCH = r"[0-9]{10}(?:[0-9]{3})?(?:\.[0-9]{1,6})?"
+_UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+_ULID = r"[0-7][0-9A-HJKMNP-TV-Z]{25}"
+_JWT = r"eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}"
+_TOKEN = r"[0-9a-fA-F]{16,}|[A-Za-z0-9+/_-]{20,}={0,2}"
+_ID = r"[A-Za-z0-9][A-Za-z0-9_.:-]{2,127}"
+
+_END = r"(?![A-Za-z0-9])"
+TIME_VALUE = re.compile(rf"(?P<datetime>{_DATETIME}){_END}|(?P<epoch>{_EPOCH}){_END}")
+ID_VALUE = re.compile(rf"(?P<uuid>{_UUID}){_END}|(?P<jwt>{_JWT}){_END}|(?P<ulid>{_ULID}){_END}"
+                      rf"|(?P<token>{_TOKEN}){_END}|(?P<id>{_ID})")
+BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT)}
+
+# A digit-bearing token: starts at a digit (a fast C scan), extended left in Python.
+_TOKEN_RE = re.compile(r"[0-9][0-9A-Za-z_+/=.:\-年月日时分秒号]*")
+_LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_TRIM = ".:-/+_"
+_CODE = re.compile(r"```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]+`"
+                   r"|<(tools|functions|tool_definitions)>.*?(?:</\1>|\Z)", re.S)
+_SEP = (r"(?P<sep>(?:\s*(?:\([^()\n]{1,24}\)|（[^（）\n]{1,24}）))?\s*(?:\*\*|__)?"
+        r"\s*(?:(?:is|was)\b\s*:?|[:：=]|是|为|為)?\s*(?:\*\*|__)?\s*(?:北京时间|本地时间)?)")
+_PRE = r"(?P<pre>(?:[A-Za-z]{3,9}\.?,?\s+){0,2}|" + _CN_DOW + r"[，,\s]*|上午|下午|晚上|凌晨|中午|早上)"
+_LINE_HEAD = re.compile(r"\s*(?:[-*•>]\s+|[0-9]{1,2}[.)]\s+)?(?:\*\*|__)?")
+
+
+def _label_alt(labels: list[str]) -> str:
+    parts = []
+    for lab in sorted(set(labels), key=len, reverse=True):
+        parts.append(r"[\s_-]+".join(re.escape(w) for w in lab.split()))
+    return "|".join(parts)
+
+
+def label_regex(time_labels: list[str], id_labels: list[str]) -> re.Pattern:
+    """`<label><sep><pre>$`: the window before a value must end with a label and separator."""
+    return re.compile(rf"(?<![A-Za-z0-9_])(?:(?P<time>{_label_alt(time_labels)})"
+                      rf"|(?P<idl>{_label_alt(id_labels)}))(?![A-Za-z]){_SEP}{_PRE}$", re.I)
+
+
+@dataclass(slots=True)
+class Found:
+    """One dynamic value: `start:end` is the value; `cut` the span removed from the text
+    (label and all, when the label + value form a clause of their own), else None."""
+    start: int
+    end: int
+    value: str
+    label: str
+    type: str
+    cut: tuple[int, int] | None = None
+
+
+def code_spans(text: str) -> list[tuple[int, int]]:
+    """Fenced and inline code, and embedded tool definitions: never rewritten."""
+    if "`" not in text and "~~~" not in text and "<" not in text:
+        return []
+    return [m.span() for m in _CODE.finditer(text)]
+
+
+def tokens(text: str, code: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans of digit-bearing tokens outside code, in order."""
+    out = []
+    starts = [s for s, _ in code]
+    last_end = -1
+    for m in _TOKEN_RE.finditer(text):
+        s, e = m.span()
+        while s > 0 and text[s - 1] in _LEFT:
+            s -= 1
+        while e > s and text[e - 1] in _TRIM:
+            e -= 1
+        while s < e and text[s] in "-_":
+            s += 1
+        if s < last_end:       # a left extension reached into the previous token
+            continue
+        if code:
+            i = bisect_right(starts, s) - 1
+            if i >= 0 and s < code[i][1]:
+                continue
+        out.append((s, e))
+        last_end = e
+    return out
+
+
+class Detector:
+    """Compiled detectors for one configuration."""
+
+    def __init__(self, types=TYPES, bare=("uuid", "ulid", "jwt"), time_labels=(), id_labels=(),
+                 rules=()):
+        self.types = frozenset(types)
+        self.bare = [(t, BARE[t]) for t in bare if t in self.types]
+        self.label = label_regex(TIME_LABELS + list(time_labels), ID_LABELS + list(id_labels))
+        self.anchors = ANCHORS + tuple(w.lower() for lab in (*time_labels, *id_labels)
+                                       for w in lab.split()[-1:])
+        self.rules = list(rules)      # [(compiled regex, label)]
+
+    def find(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
+        """Labelled and bare typed values, then custom rules; sorted, non-overlapping."""
+        found: list[Found] = []
+        covered = -1
+        for s, e in toks:
+            if s < covered:
+                continue
+            hit = self._labelled(text, s, e) or self._bare(text, s, e)
+            if hit is not None:
+                found.append(hit)
+                covered = hit.end
+        if self.rules:
+            found = _merge(found, self._rules(text, code))
+        return found
+
+    def _labelled(self, text: str, s: int, e: int) -> Found | None:
+        w0 = max(0, s - WINDOW)
+        window = text[w0:s]
+        low = window.lower()
+        for a in self.anchors:
+            if a in low:
+                break
+        else:
+            return None
+        m = self.label.search(window)
+        if m is None:
+            return None
+        vpos = w0 + m.start("pre")
+        if m.group("time") is not None:
+            label, vm = m.group("time"), TIME_VALUE.match(text, vpos)
+        else:
+            label, vm = m.group("idl"), ID_VALUE.match(text, vpos)
+        if vm is None or vm.lastgroup not in self.types or vm.end() <= s:
+            return None
+        vs, ve = vm.span()
+        while ve > vs and text[ve - 1] in _TRIM:
+            ve -= 1
+        if vm.lastgroup == "id" and not any(c.isdigit() for c in text[vs:ve]):
+            return None
+        ls = w0 + m.start()
+        return Found(vs, ve, text[vs:ve], label, vm.lastgroup, _clause(text, ls, ve))
+
+    def _bare(self, text: str, s: int, e: int) -> Found | None:
+        for t, rx in self.bare:
+            if rx.fullmatch(text, s, e):
+                return Found(s, e, text[s:e], context_label(text, s), t)
+        return None
+
+    def _rules(self, text: str, code) -> list[Found]:
+        out = []
+        for rx, label in self.rules:
+            for m in rx.finditer(text):
+                g = "value" if "value" in rx.groupindex else 0
+                s, e = m.span(g)
+                if e > s and not _inside(code, s):
+                    out.append(Found(s, e, text[s:e], label or context_label(text, s), "rule"))
+        return out
+
+
+def _inside(spans, pos) -> bool:
+    return any(a <= pos < b for a, b in spans)
+
+
+def _merge(a: list[Found], b: list[Found]) -> list[Found]:
+    out, end = [], -1
+    for f in sorted(a + b, key=lambda f: (f.start, -f.end)):
+        if f.start >= end:
+            out.append(f)
+            end = f.end
+    return out
+
+
+def _clause(text: str, ls: int, ve: int) -> tuple[int, int] | None:
+    """The span to cut when `label … value` stands on its own: a whole line, or a sentence
+    that ends right after the value. None means: replace just the value by a placeholder."""
+    line_start = text.rfind("\n", 0, ls) + 1
+    line_end = text.find("\n", ve)
+    if line_end < 0:
+        line_end = len(text)
+    head = text[line_start:ls]
+    rest = text[ve:line_end].strip()
+    if _LINE_HEAD.fullmatch(head) and rest in ("", ".", "。", ",", "，", ";", "；"):
+        if line_end < len(text):
+            return line_start, line_end + 1
+        return (line_start - 1 if line_start > 0 else line_start), line_end
+    before = head.rstrip()
+    if not before or before[-1] in ".。!！?？;；，":
+        if ve == line_end or text[ve:line_end].isspace():
+            return ls, ve
+        if text[ve] not in "。.;；!！,，":
+            return None
+        end = ve + 1
+        while end < len(text) and text[end] in " \t":
+            end += 1
+        return ls, end
+    return None
+
+
+def context_label(text: str, pos: int, limit: int = 32) -> str:
+    """The words before `pos` on its line (up to `limit` chars): a label for an unlabeled value."""
+    line_start = text.rfind("\n", 0, pos) + 1
+    head = text[max(line_start, pos - limit):pos]
+    for stop in (". ", "。", "! ", "? ", "; ", "；", "：", ": "):
+        i = head.rfind(stop)
+        if i >= 0 and head[i + len(stop):].strip():
+            head = head[i + len(stop):]
+    if pos - limit > line_start and " " in head:
+        head = head[head.index(" ") + 1:]
+    return head.strip(" \t*_-#>:：,，(（[").strip()

@@ -1,0 +1,294 @@
+"""Plugin `normalize`: move per-request values out of the prompt head, so prefixes repeat.
+
+A timestamp or request id near the top of a system prompt makes every request's prefix
+unique, and no prefix cache ever hits. This plugin finds such values in the system messages
+(and optionally the first N messages), takes each out of where it stands and appends it, with
+the label that introduced it, in one short block at the tail:
+
+    system: "当前时间是 2026-03-15 14:22:31，请根据以下规则回答…"
+      →     "请根据以下规则回答…"
+    last user message: "… question\\n\\n<dynamic_context>\\n当前时间：2026-03-15 14:22:31\\n</dynamic_context>"
+
+When a label and its value form a line or sentence of their own, the whole clause moves;
+otherwise only the value is replaced by a numbered placeholder (`⟨1⟩`) that the tail block
+resolves. Two requests that differ only in dynamic values are then byte-identical up to the
+tail, and the model still reads every value exactly once. Detection is typed and labelled
+(`detectors.py`) plus learned from variation across requests (`learner.py`).
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import xxhash
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from prefixgate.proxy.config import ConfigError, Key, one_of, positive, non_negative
+from prefixgate.proxy.plugin import Plugin
+
+from .detectors import BARE, TYPES, Detector, Found, code_spans, context_label, tokens
+from .learner import Learner, template_key
+
+OPEN, CLOSE = "<dynamic_context>", "</dynamic_context>"
+_JOIN_GAP = frozenset(" \tT,，/-:：年月日时分秒")    # between two varying slots of one value
+
+
+def _list_of(allowed):
+    def _check(v):
+        bad = [x for x in v if x not in allowed]
+        return f"unknown {bad[0]!r} (allowed: {', '.join(allowed)})" if bad else None
+    return _check
+
+
+def _strings(v):
+    return None if all(isinstance(x, str) and x.strip() for x in v) else "must be non-empty strings"
+
+
+SPEC = {
+    "roles": Key(list, lambda: ["system", "developer"], _strings),  # messages scanned by role
+    "scan_first": Key(int, 0, non_negative),          # ... and the first N messages of any role
+    "move_to": Key(str, "last_user", one_of("last_user", "system_tail")),
+    "detectors": Key(list, lambda: list(TYPES), _list_of(TYPES)),
+    "bare": Key(list, lambda: sorted(BARE), _list_of(tuple(BARE))),  # types moved without label
+    "labels": Key(dict, dict, nested={"time": Key(list, list, _strings),
+                                      "id": Key(list, list, _strings)}),
+    "rules": Key(list, list),                          # [{pattern, label}] custom regexes
+    "learn": Key(bool, True),
+    "learn_after": Key(int, 3, lambda v: None if v >= 2 else "must be >= 2"),
+    "learn_templates": Key(int, 512, positive),
+    "learn_max_slots": Key(int, 4096, positive),
+    "max_moves": Key(int, 32, positive),
+    "cache_texts": Key(int, 256, non_negative),       # analyses of recently seen texts
+    "canonical_tools": Key(bool, False),
+}
+
+
+def compile_rules(rules: list) -> list:
+    import re
+    out = []
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict) or not isinstance(r.get("pattern"), str):
+            raise ConfigError(f"rules[{i}]", "must be a mapping with a string `pattern`")
+        unknown = set(r) - {"pattern", "label"}
+        if unknown:
+            raise ConfigError(f"rules[{i}].{sorted(unknown)[0]}", "unknown key (allowed: label, pattern)")
+        try:
+            rx = re.compile(r["pattern"])
+        except re.error as e:
+            raise ConfigError(f"rules[{i}].pattern", f"invalid regex: {e}") from None
+        if rx.search(""):
+            raise ConfigError(f"rules[{i}].pattern", "must not match the empty string")
+        out.append((rx, r.get("label") or ""))
+    return out
+
+
+class _Analysis:
+    """What a text contains, independent of other requests (cached by the text's hash)."""
+    __slots__ = ("toks", "found", "key")
+
+    def __init__(self, toks, found, key):
+        self.toks, self.found, self.key = toks, found, key
+
+
+class Normalizer:
+    """The pure part: rewrites a chat body in place and says what moved."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.detector = Detector(cfg["detectors"], cfg["bare"], cfg["labels"]["time"],
+                                 cfg["labels"]["id"], compile_rules(cfg["rules"]))
+        self.learner = Learner(cfg["learn_after"], cfg["learn_templates"],
+                               cfg["learn_max_slots"]) if cfg["learn"] else None
+        self.roles = frozenset(cfg["roles"])
+        self.cache: OrderedDict[int, _Analysis] = OrderedDict()
+
+    # --- one text ------------------------------------------------------------------------------
+    def analyze(self, text: str) -> _Analysis:
+        h = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
+        a = self.cache.get(h)
+        if a is not None:
+            self.cache.move_to_end(h)
+            return a
+        code = code_spans(text)
+        toks = tokens(text, code)
+        found = self.detector.find(text, toks, code)
+        key = template_key(text, toks) if self.learner is not None and toks else 0
+        a = _Analysis(toks, found, key)
+        if self.cfg["cache_texts"]:
+            self.cache[h] = a
+            if len(self.cache) > self.cfg["cache_texts"]:
+                self.cache.popitem(last=False)
+        return a
+
+    def plan(self, text: str) -> list[Found]:
+        """Everything to move from `text`: typed finds, then learned slots they do not cover."""
+        a = self.analyze(text)
+        if self.learner is None or not a.toks:
+            return a.found
+        learned = self.learner.observe(a.key, [text[s:e] for s, e in a.toks])
+        if not learned:
+            return a.found
+        return _merge(a.found, _learned_finds(text, a.toks, learned))
+
+    # --- a whole body -------------------------------------------------------------------------
+    def normalize(self, body: dict) -> list[dict]:
+        """Rewrite `body` in place; return one record per moved value (empty: untouched)."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or _already_done(msgs):
+            return []
+        moved, lines = [], []
+        budget = self.cfg["max_moves"]
+        for i, msg in enumerate(msgs):
+            if not isinstance(msg, dict) or not (msg.get("role") in self.roles or (
+                    i < self.cfg["scan_first"] and msg.get("role") in ("user", "assistant"))):
+                continue
+            for holder, field in _text_fields(msg):
+                text = holder[field]
+                found = self.plan(text)[:budget - len(moved)]
+                if not found:
+                    continue
+                holder[field], new_lines = rewrite(text, found, len(moved) + 1)
+                lines += new_lines
+                moved += [{"message": i, "label": f.label, "value": f.value, "type": f.type}
+                          for f in found]
+            if len(moved) >= budget:
+                break
+        if moved:
+            attach(msgs, "\n".join(lines), self.cfg["move_to"])
+        return moved
+
+
+def _learned_finds(text: str, toks, learned: frozenset[int]) -> list[Found]:
+    """Learned slots as finds; neighbouring varying slots of one value become one find."""
+    out: list[Found] = []
+    for i in sorted(learned):
+        s, e = toks[i]
+        if out and out[-1].end <= s and s - out[-1].end <= 3 and all(
+                c in _JOIN_GAP for c in text[out[-1].end:s]):
+            last = out[-1]
+            last.end, last.value = e, text[last.start:e]
+            continue
+        out.append(Found(s, e, text[s:e], context_label(text, s), "learned"))
+    return out
+
+
+def _merge(typed: list[Found], learned: list[Found]) -> list[Found]:
+    out, end = [], -1
+    for f in sorted(typed + learned, key=lambda f: (f.start, f.type == "learned")):
+        if f.start >= end:
+            out.append(f)
+            end = f.end
+        elif f.type != "learned" and out and out[-1].type == "learned":
+            out[-1] = f               # a typed find wins over a learned slot inside it
+            end = f.end
+    return out
+
+
+def rewrite(text: str, found: list[Found], first_no: int) -> tuple[str, list[str]]:
+    """Cut or replace each find; return the new text and the tail lines, in text order."""
+    parts, lines, prev, no = [], [], 0, first_no
+    for f in found:
+        label = f.label.strip()
+        sep = "：" if any(ord(c) > 0x2E80 for c in label) else ": "
+        if f.cut is not None and f.cut[0] >= prev:
+            parts.append(text[prev:f.cut[0]])
+            prev = f.cut[1]
+            lines.append(f"{label}{sep}{f.value}")
+        else:
+            start = max(f.start, prev)
+            parts.append(text[prev:start])
+            parts.append(f"⟨{no}⟩")
+            prev = f.end
+            lines.append(f"⟨{no}⟩ {label}{sep}{f.value}" if label else f"⟨{no}⟩{sep}{f.value}")
+            no += 1
+    parts.append(text[prev:])
+    return "".join(parts), lines
+
+
+def attach(msgs: list, lines: str, move_to: str) -> None:
+    """Append the tail block to the last user message, or as a final system message."""
+    block = f"{OPEN}\n{lines}\n{CLOSE}"
+    if move_to == "last_user":
+        for msg in reversed(msgs):
+            if isinstance(msg, dict) and msg.get("role") == "user":
+                content = msg.get("content")
+                if isinstance(content, str):
+                    msg["content"] = f"{content}\n\n{block}" if content else block
+                    return
+                if isinstance(content, list):
+                    content.append({"type": "text", "text": block})
+                    return
+                break
+    msgs.append({"role": "system", "content": block})
+
+
+def _text_fields(msg: dict):
+    """(holder, key) pairs for each text in a message: a string content or text parts."""
+    content = msg.get("content")
+    if isinstance(content, str):
+        if content:
+            yield msg, "content"
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                    part.get("text"), str):
+                yield part, "text"
+
+
+def _already_done(msgs: list) -> bool:
+    """A tail block is present: this body was normalised before (idempotence)."""
+    last_user = next((m for m in reversed(msgs) if isinstance(m, dict)
+                      and m.get("role") == "user"), None)
+    for msg in (msgs[-1], last_user):
+        if isinstance(msg, dict):
+            for holder, field in _text_fields(msg):
+                if holder[field].endswith(CLOSE):
+                    return True
+    return False
+
+
+def canonical_tools(tools: list) -> list:
+    """Tools with keys sorted at every level and the list sorted by name, so equal sets of
+    tools serialise equally whatever order the client built them in."""
+    canon = json.loads(json.dumps(tools, sort_keys=True))
+    return sorted(canon, key=lambda t: json.dumps(t.get("function", t), sort_keys=True)
+                  if isinstance(t, dict) else "")
+
+
+class Normalize(Plugin):
+    name = "normalize"
+    spec = SPEC
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        self.core = Normalizer(self.cfg)
+        reg = getattr(gw, "registry", None) or CollectorRegistry()
+        self.requests = Counter("prefixgate_normalize_requests", "Requests seen by normalize, "
+                                "by result (moved, unchanged, opted_out)", ["result"], registry=reg)
+        self.moved = Counter("prefixgate_normalize_moved_values", "Values moved to the tail, "
+                             "by detector type", ["type"], registry=reg)
+        self.templates = Gauge("prefixgate_normalize_learned_templates", "Prompt templates "
+                               "the learned detector remembers", registry=reg)
+
+    async def on_request(self, ctx) -> None:
+        if ctx.headers.get("x-prefixgate-normalize", "").strip().lower() == "off":
+            self.requests.labels("opted_out").inc()
+            return
+        body = ctx.body
+        if self.cfg["canonical_tools"] and isinstance(body.get("tools"), list):
+            canon = canonical_tools(body["tools"])
+            if json.dumps(canon) != json.dumps(body["tools"]):
+                body["tools"] = canon
+                ctx.body_changed = True
+        moved = self.core.normalize(body)
+        ctx.response_headers["x-prefixgate-moved"] = str(len(moved))
+        if not moved:
+            self.requests.labels("unchanged").inc()
+            return
+        ctx.body_changed = True
+        ctx.moved.extend(moved)
+        self.requests.labels("moved").inc()
+        for m in moved:
+            self.moved.labels(m["type"]).inc()
+        if self.core.learner is not None:
+            self.templates.set(len(self.core.learner.templates))
