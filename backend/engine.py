@@ -1,0 +1,306 @@
+"""The engine: requests in, per-request token/text deltas out.
+
+`LLMEngine` is synchronous: `step()` applies queued adds and aborts, schedules, runs the
+model, samples, detokenizes and checks stop strings. `AsyncEngine` drives it from asyncio,
+running each step in one worker thread so the event loop keeps serving HTTP while the model
+computes, and hands every request its outputs through its own queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from prefixgate.backend.block_manager import BlockManager
+from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
+                                             parse_bytes)
+from prefixgate.backend.sampling import SamplingParams, find_stop_string
+from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
+from prefixgate.backend.sequence import Sequence
+
+log = logging.getLogger("prefixgate.engine")
+
+DEFAULT_CPU_KV_MEMORY = 1 << 30          # 1 GiB of KV cache on CPU unless told otherwise
+CUDA_MEMORY_FRACTION = 0.85              # of the memory left free after loading the weights
+
+
+@dataclass
+class EngineArgs:
+    model: str = "demo"
+    dtype: str | None = None
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int | None = None     # bytes, or a size such as "2GiB"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False                  # no CUDA graphs
+    served_model_name: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]              # new this step
+    text: str                         # new this step
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    decoder: object
+    text: str = ""
+    sent: int = 0                     # characters of `text` already emitted
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from prefixgate.backend.loader import load_model
+        from prefixgate.backend.tokenizer import IncrementalDecoder, Tokenizer
+
+        self.args = args
+        self.model_dir = _resolve_model_dir(args.model)
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=device)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self._decoder_cls = IncrementalDecoder
+        self.served_model_name = args.served_model_name or (
+            "demo" if args.model == "demo" else self.model_dir.name)
+        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, "?")
+        if kv_dtype == "?":
+            raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        kv_dtype = kv_dtype or next(self.model.parameters()).dtype
+        num_blocks = self._num_blocks(kv_dtype, torch.device(device))
+        self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * args.block_size,
+                                 args.max_model_len or 1 << 62)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold), self.block_manager, eos)
+        self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
+                                  num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
+                                  attention_backend=args.attention_backend,
+                                  use_cuda_graphs=not args.enforce_eager, max_num_seqs=args.max_num_seqs)
+        self.requests: dict[str, _Request] = {}
+        self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
+        self._aborts: deque[str] = deque()
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_dir, device, num_blocks, args.block_size, self.max_model_len)
+
+    def _num_blocks(self, kv_dtype: torch.dtype, device: torch.device) -> int:
+        a = self.args
+        if a.num_kv_blocks is not None:
+            return int(a.num_kv_blocks)
+        per_block = kv_block_bytes(self.model_config, a.block_size, kv_dtype)
+        if a.kv_cache_memory is not None:
+            budget = parse_bytes(a.kv_cache_memory)
+        elif device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(device)[0] * CUDA_MEMORY_FRACTION)
+        else:
+            budget = DEFAULT_CPU_KV_MEMORY
+        if budget < per_block:
+            raise ValueError(f"KV cache budget of {budget} bytes is less than one block ({per_block} bytes)")
+        return budget // per_block
+
+    # --- called from the event loop thread --------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        seq = Sequence(prompt_ids, params, request_id, arrival_time)
+        self._adds.append(_Request(seq, self._decoder_cls(self.tokenizer)))
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._adds or self._aborts or self.scheduler.has_unfinished())
+
+    def stats(self) -> dict:
+        s, bm = self.scheduler, self.block_manager
+        return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
+                "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
+                "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions}
+
+    # --- called from the worker thread -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._apply_queued()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.run(batch)
+        return [self._output(seq) for seq in self.scheduler.update(batch, sampled)]
+
+    def _apply_queued(self) -> None:
+        while self._adds:
+            req = self._adds.popleft()
+            self.requests[req.seq.request_id] = req
+            self.scheduler.add(req.seq)
+        while self._aborts:
+            req = self.requests.pop(self._aborts.popleft(), None)
+            if req is not None:
+                self.scheduler.finish(req.seq, "abort")
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        token = seq.token_ids[-1]
+        req.token_ids.append(token)
+        checked = len(req.text)
+        req.text += req.decoder.push(token)
+        if seq.is_finished:
+            req.text += req.decoder.flush()
+        stop = seq.params.stop
+        longest = max(map(len, stop), default=0)
+        if stop:
+            # Search only where a stop string could newly end (it may straddle older text).
+            cut = find_stop_string(req.text, stop, max(0, checked - longest + 1))
+            if cut != -1:
+                req.text = req.text[:cut]
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            end = len(req.text)
+            del self.requests[seq.request_id]
+        else:   # hold back text that might be the start of a stop string
+            end = max(req.sent, len(req.text) - max(longest - 1, 0))
+        delta, req.sent = req.text[req.sent:end], end
+        new_ids, req.token_ids = req.token_ids, []
+        return RequestOutput(seq.request_id, new_ids, delta, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                             seq.arrival_time, seq.first_scheduled_time, seq.first_token_time)
+
+
+def _resolve_model_dir(model: str) -> Path:
+    if model == "demo":
+        from prefixgate.backend.demo import ensure_demo_model
+        return Path(ensure_demo_model())
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); use --model DIR or --model demo")
+    return path
+
+
+def _config_eos(config) -> set[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; `close()` aborts it unless it finished."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str):
+        self._engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False          # no more outputs will come (done, failed or closed)
+        self.completed = False         # the engine reported the request finished
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise out
+        self.finished = self.completed = out.finished
+        return out
+
+    def close(self) -> None:
+        self._engine._streams.pop(self.request_id, None)
+        if not self.finished:
+            self.finished = True
+            self._engine.engine.abort(self.request_id)
+            self._engine._wake.set()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, RequestStream] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ids = 0
+        self.on_step = None            # optional callback(outputs) for metrics
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 arrival_time: float | None = None) -> RequestStream:
+        if request_id is None:
+            self._ids += 1
+            request_id = f"req-{self._ids}-{time.monotonic_ns()}"
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self.engine.add_request(request_id, prompt_ids, params, arrival_time)
+        self._wake.set()
+        self.start()
+        return stream
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+            if self.on_step is not None:
+                self.on_step(outputs)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream.queue.put_nowait(RuntimeError(f"engine step failed: {error}"))

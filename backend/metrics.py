@@ -1,0 +1,78 @@
+"""Prometheus metrics for the engine, named like vLLM's (`prefixgate:` for `vllm:`).
+
+Gauges and counters are read from the engine's own state when scraped (one collector, so
+they can never drift from it); latency histograms are observed as requests progress. Each
+server gets its own registry, so several engines can live in one process (tests do that).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prefixgate.backend.engine import LLMEngine, RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        yield _gauge("prefixgate:num_requests_running", "Requests in the running batch.", s["running"])
+        yield _gauge("prefixgate:num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield _gauge("prefixgate:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                     s["kv_cache_usage"])
+        yield _counter("prefixgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       s["prefix_queries"])
+        yield _counter("prefixgate:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                       s["prefix_hits"])
+        yield _counter("prefixgate:num_preemptions", "Sequences preempted (recomputed later).",
+                       s["preemptions"])
+
+
+def _gauge(name, doc, value):
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def _counter(name, doc, value):
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+class EngineMetrics:
+    def __init__(self, engine: LLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("prefixgate:time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("prefixgate:time_per_output_token_seconds", "Time between output tokens.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("prefixgate:request_queue_time_seconds", "Arrival to first scheduled.",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._last_token: dict[str, float] = {}
+
+    def observe(self, outputs: list[RequestOutput], now: float) -> None:
+        """Called after each engine step with its outputs."""
+        for out in outputs:
+            last = self._last_token.get(out.request_id)
+            if last is None:
+                if out.first_token_time is not None:
+                    self.ttft.observe(out.first_token_time - out.arrival_time)
+                if out.first_scheduled_time is not None:
+                    self.queue.observe(out.first_scheduled_time - out.arrival_time)
+            elif out.token_ids:
+                self.tpot.observe((now - last) / len(out.token_ids))
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+            else:
+                self._last_token[out.request_id] = now
+
+    def forget(self, request_id: str) -> None:
+        """Drop the state of a request that ended without a finished output (aborted)."""
+        self._last_token.pop(request_id, None)

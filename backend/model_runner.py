@@ -1,0 +1,132 @@
+"""Runs one scheduled batch through the model: batch tensors in, sampled tokens out.
+
+Owns the paged KV cache: per layer a (k_cache, v_cache) pair shaped
+[num_blocks, block_size, num_kv_heads, head_dim]. The batch is flattened (every new token of
+every sequence, no padding); logits are computed only for the last token of the sequences
+whose chunk reaches their end. On CUDA, decode steps can replay captured CUDA graphs
+(`prefixgate.backend.cuda_graphs`) instead of launching every kernel from Python.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from prefixgate.backend.attention import AttentionMetadata
+from prefixgate.backend.sampling import sample
+from prefixgate.backend.scheduler import ScheduledBatch
+
+log = logging.getLogger("prefixgate.engine")
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MB', '1e9'-free plain integers -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (examples: 2GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
+            * model_config.head_dim * elem)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config, *, block_size: int, num_blocks: int,
+                 kv_cache_dtype: torch.dtype, attention_backend: str | None = None,
+                 use_cuda_graphs: bool = True, max_num_seqs: int = 64):
+        self.model = model
+        self.config = model_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = next(model.parameters()).device
+        self.attention_backend = None if attention_backend in (None, "auto") else attention_backend
+        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_cache_dtype, device=self.device))
+                          for _ in range(model_config.num_hidden_layers)]
+        self.graphs = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.graphs = _load_graph_runner(self, max_num_seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute the batch; one sampled token per sequence whose chunk reaches its end."""
+        input_ids, positions, meta, last_rows = self.prepare(batch)
+        if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        out: list[int | None] = [None] * len(batch.seqs)
+        if not sampling:
+            return out
+        rows = torch.tensor([last_rows[i] for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        seqs = [batch.seqs[i] for i in sampling]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for i, tok in zip(sampling, tokens):
+            out[i] = tok
+        return out
+
+    def prepare(self, batch: ScheduledBatch):
+        """Flattened input ids and positions, the attention metadata, and each sequence's
+        last row in the flattened batch."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            starts.append(starts[-1] + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_seq_len=max(seq_lens),
+            is_decode=batch.is_decode,
+            attention_backend=self.attention_backend,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, [e - 1 for e in starts[1:]]
+
+
+def _load_graph_runner(runner: ModelRunner, max_num_seqs: int):
+    """The kernels helper's CUDA-graph decode runner, when that module is installed."""
+    try:
+        from prefixgate.backend import cuda_graphs
+    except ImportError:
+        return None
+    try:
+        return cuda_graphs.DecodeGraphRunner(runner.model, runner.kv_caches,
+                                             block_size=runner.block_size,
+                                             max_num_seqs=max_num_seqs,
+                                             max_blocks_per_seq=runner.num_blocks,
+                                             attention_backend=runner.attention_backend)
+    except Exception as e:  # graphs are an optimisation: run eagerly rather than not at all
+        log.warning("CUDA graphs disabled: %s", e)
+        return None

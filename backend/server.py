@@ -1,0 +1,432 @@
+"""OpenAI-compatible HTTP server for the bundled engine.
+
+`/v1/chat/completions` and `/v1/completions` (prompt as text or token ids), streamed as SSE
+events as tokens are sampled, or whole; `usage` in both (with `prompt_tokens_details.
+cached_tokens` from the prefix cache). `/v1/models`, `/health`, `/metrics`. A client that
+disconnects aborts its sequence, which frees its KV blocks.
+
+Extensions, as vLLM names them: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, and
+`return_token_ids` (adds `prompt_token_ids` and per-choice `token_ids` to the response).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
+from prefixgate.backend.metrics import EngineMetrics
+from prefixgate.backend.sampling import SamplingParams
+from prefixgate.proxy.errors import HTTPError
+
+log = logging.getLogger("prefixgate.engine")
+
+DEFAULT_MAX_TOKENS = 256
+LONG_TEXT_CHARS = 4096            # tokenize longer texts off the event loop
+
+
+# --- request parsing --------------------------------------------------------------------------
+
+def _field(body: dict, name: str, types, default=None, check=None, what=None):
+    """A typed, optional request field; bad values raise a 400 that names the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in _as_tuple(types))
+    if not ok or (check is not None and not check(value)):
+        raise HTTPError(400, f"'{name}' must be {what or _type_names(types)}, got {json.dumps(value)[:80]}",
+                        code="invalid_value")
+    return value
+
+
+def _as_tuple(types):
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _type_names(types) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+             list: "a list", dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in _as_tuple(types))
+
+
+def sampling_params(body: dict, prompt_len: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
+    if _field(body, "n", int, 1) != 1:
+        raise HTTPError(400, "'n' other than 1 is not supported", code="unsupported_value")
+    for flag in ("logprobs", "echo"):
+        if body.get(flag) not in (None, False, 0):
+            raise HTTPError(400, f"'{flag}' is not supported by the bundled engine", code="unsupported_value")
+    room = max_model_len - prompt_len
+    max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, "a positive integer")
+    max_tokens = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, "a positive integer")
+    stop = _field(body, "stop", (str, list), [], lambda v: isinstance(v, str) or all(
+        isinstance(s, str) and s for s in v), "a string or a list of non-empty strings")
+    return SamplingParams(
+        max_tokens=min(max_tokens or default_max_tokens, room),
+        temperature=float(_field(body, "temperature", (int, float), 1.0, lambda v: v >= 0, "a number >= 0")),
+        top_p=float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
+        top_k=_field(body, "top_k", int, 0, lambda v: v >= -1, "-1, 0 or a positive integer"),
+        seed=_field(body, "seed", int),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=_field(body, "stop_token_ids", list, [], lambda v: all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of integers"),
+        ignore_eos=_field(body, "ignore_eos", bool, False),
+    )
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+@dataclass
+class _Ctx:
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    model_name: str
+    default_max_tokens: int
+
+
+class EngineServer:
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+        core = engine.engine
+        self.ctx = _Ctx(engine, metrics, core.served_model_name, default_max_tokens)
+        self.engine = engine
+        self.core = core
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.ctx.model_name, "object": "model", "created": self.created,
+            "owned_by": "prefixgate", "max_model_len": self.core.max_model_len}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.ctx.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise HTTPError(400, "'messages' must be a non-empty list of objects with a 'role'",
+                            code="invalid_value")
+        tools = _field(body, "tools", list)
+        try:
+            text = self.core.tokenizer.apply_chat_template(
+                [_flatten_content(m) for m in messages], tools=tools, add_generation_prompt=True)
+        except HTTPError:
+            raise
+        except Exception as e:    # the template's own raise_exception(), or a bad message shape
+            raise HTTPError(400, f"chat template failed: {e}", code="invalid_value") from None
+        ids = await self._encode(text, add_special_tokens=False)
+        return await self._generate(request, body, ids, arrival, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]          # a batch of one
+        if isinstance(prompt, str) and prompt:
+            ids = await self._encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.core.model_config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise HTTPError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                                code="invalid_value")
+            ids = list(prompt)
+        else:
+            raise HTTPError(400, "'prompt' must be a non-empty string or a non-empty list of token ids "
+                            "(batches of several prompts are not supported)", code="invalid_value")
+        return await self._generate(request, body, ids, arrival, chat=False)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.core.tokenizer
+        if len(text) > LONG_TEXT_CHARS:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    async def _generate(self, request, body, ids, arrival, chat: bool) -> web.StreamResponse:
+        limit = self.core.max_model_len
+        if len(ids) >= limit:
+            raise HTTPError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                            f"has {len(ids)} tokens (at least one must be left for the completion).",
+                            code="context_length_exceeded")
+        if not ids:
+            raise HTTPError(400, "the prompt is empty", code="invalid_value")
+        params = sampling_params(body, len(ids), limit, self.ctx.default_max_tokens)
+        stream = _field(body, "stream", bool, False)
+        opts = _field(body, "stream_options", dict, {})
+        fmt = _Format(chat, self.ctx.model_name, bool(_field(body, "return_token_ids", bool, False)),
+                      ids, bool(opts.get("include_usage")))
+        out_stream = self.engine.generate(ids, params, arrival_time=arrival)
+        try:
+            if stream:
+                return await self._stream(request, out_stream, fmt)
+            return await self._whole(out_stream, fmt)
+        finally:
+            out_stream.close()          # aborts the sequence unless it finished
+            if not out_stream.completed:
+                self.ctx.metrics.forget(out_stream.request_id)
+
+    async def _whole(self, outputs, fmt: "_Format") -> web.Response:
+        text, token_ids, last = [], [], None
+        async for out in outputs:
+            text.append(out.text)
+            token_ids.extend(out.token_ids)
+            last = out
+        return web.json_response(fmt.whole("".join(text), token_ids, last))
+
+    async def _stream(self, request, outputs, fmt: "_Format") -> web.StreamResponse:
+        resp = None
+        try:
+            async for out in outputs:
+                if resp is None:    # headers go out with the first token, so early errors stay JSON
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                    await resp.prepare(request)
+                    if fmt.chat:
+                        await resp.write(fmt.sse(fmt.chunk(role=True)))
+                await resp.write(fmt.sse(fmt.chunk(out=out)))
+                if out.finished and fmt.include_usage:
+                    await resp.write(fmt.sse(fmt.usage_chunk(out)))
+        except RuntimeError as e:           # the engine failed mid-request
+            if resp is None:
+                raise HTTPError(500, str(e), code="engine_error") from None
+            await resp.write(HTTPError(500, str(e), code="engine_error").sse_event())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+class _Format:
+    """OpenAI response shapes for one request."""
+
+    def __init__(self, chat: bool, model: str, return_ids: bool, prompt_ids: list[int], include_usage: bool):
+        self.chat = chat
+        self.model = model
+        self.return_ids = return_ids
+        self.prompt_ids = prompt_ids
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @staticmethod
+    def sse(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    @staticmethod
+    def usage(out) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    def _envelope(self, choices: list, streaming: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = "chat.completion.chunk" if self.chat and streaming else kind
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunk(self, out=None, role: bool = False) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason if out else None}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": ""} if role else (
+                {"content": out.text} if out.text else {})
+        else:
+            choice["text"] = out.text
+        if out is not None and self.return_ids:
+            choice["token_ids"] = out.token_ids
+        obj = self._envelope([choice], streaming=True)
+        if role and self.return_ids:
+            obj["prompt_token_ids"] = self.prompt_ids
+        if out is not None and out.finished and not self.include_usage:
+            obj["usage"] = self.usage(out)      # usage always arrives, on the last chunk
+        return obj
+
+    def usage_chunk(self, out) -> dict:
+        obj = self._envelope([], streaming=True)
+        obj["usage"] = self.usage(out)
+        return obj
+
+    def whole(self, text: str, token_ids: list[int], out) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.return_ids:
+            choice["token_ids"] = token_ids
+        obj = self._envelope([choice], streaming=False)
+        obj["usage"] = self.usage(out)
+        if self.return_ids:
+            obj["prompt_token_ids"] = self.prompt_ids
+        return obj
+
+
+def _flatten_content(message: dict) -> dict:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string, as templates expect."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HTTPError(400, "only text content parts are supported", code="invalid_value")
+            parts.append(part["text"])
+        return {**message, "content": "".join(parts)}
+    if content is not None and not isinstance(content, str):
+        raise HTTPError(400, "message 'content' must be a string or a list of text parts", code="invalid_value")
+    return message
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except HTTPError as e:
+        return e.response()
+    except web.HTTPException as e:     # 404/405 from the router, in OpenAI's shape too
+        if e.status < 400:
+            raise
+        return HTTPError(e.status, e.reason).response()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("request failed")
+        return HTTPError(500, f"internal error: {e}", code="internal_error").response()
+
+
+# --- starting it -----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixgate backend",
+                                description="Serve a Llama/Qwen2/Mistral checkpoint with the bundled engine.")
+    a = EngineArgs()
+    p.add_argument("--model", default="demo", help="Hugging Face model dir, or 'demo' (default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id in responses (default: dir name)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--block-size", type=int, default=a.block_size, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size in bytes, e.g. 2GiB (default: 1GiB on CPU, 85%% of free memory on CUDA)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (e4m3) | float16 | bfloat16 | float32")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=a.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=a.max_num_batched_tokens,
+                   help="token budget of one step")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="tokens one prefill may take before others had their turn (default: budget/4)")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="take prompts whole (baseline)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens when a request sets none")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
+        num_kv_blocks=ns.num_kv_blocks, kv_cache_memory=ns.kv_cache_memory,
+        kv_cache_dtype=ns.kv_cache_dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
+        enable_chunked_prefill=not ns.no_chunked_prefill, enable_prefix_caching=not ns.no_prefix_caching,
+        attention_backend=ns.attention_backend, enforce_eager=ns.enforce_eager,
+        served_model_name=ns.served_model_name)
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    url: str
+    engine: AsyncEngine
+    metrics: EngineMetrics
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        await self.engine.stop()
+
+
+async def start_server(argv: list[str] | None = None, *, host: str | None = None, port: int | None = None,
+                       engine: LLMEngine | None = None) -> RunningServer:
+    """Build the engine (unless given) and serve it in this event loop; port 0 picks a free one."""
+    ns = build_parser().parse_args(argv or [])
+    core = engine or await asyncio.to_thread(LLMEngine, engine_args(ns))
+    async_engine = AsyncEngine(core)
+    metrics = EngineMetrics(core)
+    async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
+    server = EngineServer(async_engine, metrics, ns.default_max_tokens)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts the sequence
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host or ns.host, ns.port if port is None else port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    async_engine.start()
+    return RunningServer(runner, f"http://{bound_host}:{bound_port}", async_engine, metrics)
+
+
+async def _serve_forever(argv: list[str]) -> None:
+    server = await start_server(argv)
+    print(f"prefixgate engine: serving {server.engine.engine.served_model_name} at {server.url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(_serve_forever(argv))
+    except KeyboardInterrupt:
+        pass
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"prefixgate backend: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
