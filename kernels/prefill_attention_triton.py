@@ -1,0 +1,100 @@
+"""Triton paged prefill attention over a cached prefix; twin of prefill_attention_ref.py.
+
+Grid (query tile, sequence, query head). Sequence s owns q rows query_start_loc[s]:[s+1]; its new
+token i sits at position seq_lens[s] - q_len + i. Each program streams the K/V pages its tile can
+see (up to the tile's last position), FlashAttention-style online softmax in fp32, causal mask
+on positions. Tiles past a sequence's q_len exit at once (ragged batches share one grid).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import is_fp8
+from .triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, pow2, scale_args
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, out_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(lens_ptr + seq)
+    kv_head = head // GROUP
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < q_len
+    pos = seq_len - q_len + m
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q_rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+    k_scale = 1.0
+    v_scale = 1.0
+    if IS_FP8:
+        k_scale = tl.load(ks_ptr + kv_head)
+        v_scale = tl.load(vs_ptr + kv_head)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + seq * stride_bt
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)   # last visible position + 1
+    for t0 in range(0, kv_end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < kv_end
+        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale, stride_kb, stride_kt, stride_kh,
+                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
+        s = tl.where(tmask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # padded rows see no key at all
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale, stride_vb, stride_vt, stride_vh,
+                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                             k_scale=None, v_scale=None, max_q_len: int | None = None) -> torch.Tensor:
+    total, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if total == 0 or num_seqs == 0:
+        return out
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    if max_q_len is None:   # one host sync; prefill steps are not graph-captured
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    fp32 = dot_in_fp32(q)
+    block_m, block_n = (32, 32) if fp32 else (64, 64)
+    block_tables = block_tables.contiguous()
+    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(),
+        scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device), out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, IS_FP8=is_fp8(k_cache), DOT_DTYPE=dot_dtype(q),
+        PRECISION="ieee" if fp32 else "tf32", num_warps=4 if fp32 else 8, num_stages=2)
+    return out

@@ -1,0 +1,60 @@
+"""Small host-side helpers for the Triton kernels (imported only on the Triton path)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import is_fp8, kv_scales
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def dot_in_fp32(q: torch.Tensor) -> bool:
+    """fp32 inputs keep fp32 (IEEE) dots; the interpreter also needs fp32 (numpy has no bf16 matmul)."""
+    return q.dtype == torch.float32 or interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def scale_args(cache: torch.Tensor, scale, device):
+    """Per-KV-head float32 scales for FP8 caches, a dummy pointer otherwise."""
+    if is_fp8(cache):
+        return kv_scales(scale, cache.shape[2], device)
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(int(n)))
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale,
+                 stride_b, stride_t, stride_h,
+                 BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Rows t (token positions of one sequence) of the paged cache for one KV head -> [len(t), BLOCK_D].
+
+    Each token finds its page through the block table, so a tile may span several pages and the
+    page size need not match the tile size. FP8 rows are dequantized with the head's scale.
+    """
+    page = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    rows = page * stride_b + (t % BLOCK_SIZE).to(tl.int64) * stride_t + kv_head * stride_h
+    x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+    if IS_FP8:
+        x = x.to(tl.float32) * scale
+    return x.to(DOT_DTYPE)
+
+
+def dot_dtype(q: torch.Tensor):
+    if dot_in_fp32(q):
+        return tl.float32
+    return tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
