@@ -8,9 +8,14 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2's pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # ChatML, as Qwen2 uses it; tools are listed in the system turn as JSON lines.
 CHATML_TEMPLATE = (
@@ -36,9 +41,17 @@ CHATML_TEMPLATE = (
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2/Qwen style): any UTF-8 text encodes, no unknown tokens."""
+    """Byte-level BPE laid out like Qwen2's tokenizer.json: any UTF-8 text encodes, no unknowns.
+
+    Matching Qwen2's normalizer and split exactly matters: transformers 5 rebuilds a qwen2
+    model's tokenizer with those, and the two must agree token for token.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
