@@ -219,7 +219,9 @@ class Detector:
                 g = "value" if "value" in rx.groupindex else 0
                 s, e = m.span(g)
                 if e > s and not _inside(code, s):
-                    out.append(Found(s, e, text[s:e], label or context_label(text, s), "rule"))
+                    cut = _clause(text, m.start(), e) if g == "value" else None
+                    out.append(Found(s, e, text[s:e], label or context_label(text, s), "rule",
+                                     cut))
         return out
 
 
