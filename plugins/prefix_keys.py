@@ -1,0 +1,151 @@
+"""Prefix keys: a prompt as a chain of block hashes, the way a paged-KV prefix cache sees it.
+
+Block i's hash is `xxh64(hash of block i-1, block i's content)`, so one hash names the
+whole prefix up to the end of its block, and two prompts share the hashes of exactly the
+blocks they share from the start. Only full blocks get a hash (a KV cache only reuses full
+blocks). Over token ids the formula is the engine's own (`backend/block_manager.py`), so a
+router's keys equal the engine's cache keys.
+
+Without a tokenizer the chain runs over the bytes of a canonical rendering of the request
+(tools, then each message's role and content, in order). A per-request value — a timestamp,
+a request id — changes the hash of every block after it, so unless `normalize` has moved
+such values to the tail, the chain is cut at the first one (`dynamic_offset`).
+"""
+from __future__ import annotations
+
+import json
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+ROOT_HASH = 0                      # parent of a token chain's first block (as in the engine)
+TEXT_ROOT = 0x7072_6566_6978_7478  # parent of a text chain's first block: never equal to a token chain
+_h64 = xxhash.xxh64_intdigest
+
+
+def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None) -> list[int]:
+    """Chained xxh64 hashes of the full `block_tokens`-sized blocks of `tokens`."""
+    n = len(tokens) // block_tokens
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n <= 0:
+        return []
+    data = memoryview(array("q", tokens[:n * block_tokens]).tobytes())
+    step = 8 * block_tokens
+    out = []
+    h = ROOT_HASH
+    for i in range(0, n * step, step):
+        h = _h64(h.to_bytes(8, "little") + data[i:i + step])
+        out.append(h)
+    return out
+
+
+def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:
+    """The same chain over bytes (the text fallback when no tokenizer is configured)."""
+    n = len(data) // block_bytes
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    view = memoryview(data)
+    out = []
+    h = TEXT_ROOT
+    for i in range(0, n * block_bytes, block_bytes):
+        h = _h64(h.to_bytes(8, "little") + view[i:i + block_bytes])
+        out.append(h)
+    return out
+
+
+def tail_hash(chain: list[int], rest: bytes) -> int:
+    """A key for a prompt shorter than one block: its bytes, chained after its full blocks."""
+    return _h64((chain[-1] if chain else TEXT_ROOT).to_bytes(8, "little") + rest)
+
+
+# --- the canonical rendering -----------------------------------------------------------------
+FIELD, RECORD = "\x1f", "\x1e"     # unit / record separators: cannot be confused with content
+
+
+def render_parts(body: dict) -> list[str]:
+    """The request's prompt-bearing parts in prompt order: tools, then each message."""
+    parts = []
+    tools = body.get("tools")
+    if tools:
+        parts.append("tools" + FIELD + json.dumps(tools, sort_keys=True, ensure_ascii=False) + RECORD)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role', '')}{FIELD}{content_text(m)}{RECORD}")
+        return parts
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]          # a batch goes to one upstream: key it on its first prompt
+    if isinstance(prompt, str):
+        parts.append(prompt)
+    return parts
+
+
+def content_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "".join(p.get("text", "") if isinstance(p, dict) and p.get("type") == "text"
+                       else json.dumps(p, sort_keys=True, ensure_ascii=False) for p in content)
+    else:
+        text = ""
+    if message.get("tool_calls"):
+        text += FIELD + json.dumps(message["tool_calls"], sort_keys=True, ensure_ascii=False)
+    return text
+
+
+def prompt_token_ids(body: dict) -> list[int] | None:
+    """A /v1/completions prompt given as token ids is already the token sequence."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+# --- dynamic spans ---------------------------------------------------------------------------
+class DynamicSpans:
+    """Finds the first per-request value in a text, with the normalize plugin's detectors.
+
+    Results are cached by the text's hash: a system prompt repeats across requests, so the
+    detector runs once per distinct text.
+    """
+
+    def __init__(self, cache_size: int = 1024):
+        from prefixgate.plugins.detectors import Detector, code_spans, tokens
+        self._detector, self._code_spans, self._tokens = Detector(), code_spans, tokens
+        self._cache: OrderedDict[int, int] = OrderedDict()
+        self._size = cache_size
+
+    def first(self, text: str) -> int:
+        """Offset of the first dynamic value in `text`, or -1."""
+        key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        code = self._code_spans(text)
+        found = self._detector.find(text, self._tokens(text, code), code)
+        offset = found[0].start if found else -1
+        self._cache[key] = offset
+        if len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return offset
+
+
+def render(body: dict, spans: DynamicSpans | None) -> tuple[bytes, bool]:
+    """The canonical rendering as UTF-8, cut before the first dynamic value when `spans` is
+    given; the flag says whether it was cut."""
+    out = []
+    for part in render_parts(body):
+        cut = spans.first(part) if spans is not None else -1
+        if cut >= 0:
+            out.append(part[:cut])
+            return "".join(out).encode("utf-8", "surrogatepass"), True
+        out.append(part)
+    return "".join(out).encode("utf-8", "surrogatepass"), False
