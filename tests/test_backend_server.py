@@ -1,0 +1,160 @@
+"""The engine's OpenAI-compatible server as clients see it: the openai SDK (chat, streaming,
+usage), text prompts, stop strings, seeds, errors in OpenAI's shape, /v1/models, /health and
+the Prometheus names."""
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from engine_support import ServerThread, complete_ids, hf_greedy, load_hf, metrics
+from model_factory import make_tiny_model
+from prefixgate.backend.tokenizer import Tokenizer
+
+MAX_LEN = 128
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerThread(["--model", str(model_dir), "--max-model-len", str(MAX_LEN),
+                       "--served-model-name", "tiny"]) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_prompt_ids(model_dir) -> list[int]:
+    tok = Tokenizer.from_dir(model_dir)
+    return tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
+
+
+async def test_chat_completion_matches_transformers(client, model_dir):
+    resp = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    ids = chat_prompt_ids(model_dir)
+    expected = Tokenizer.from_dir(model_dir).decode(hf_greedy(load_hf(model_dir), ids, 12))
+    assert resp.model == "tiny" and resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(ids), 12)
+
+
+async def test_chat_stream_equals_whole_and_ends_with_usage(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = await client.chat.completions.create(**kwargs)
+    stream = await client.chat.completions.create(**kwargs, stream=True,
+                                                  stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+async def test_text_prompt_completion(client):
+    resp = await client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert resp.object == "text_completion" and resp.usage.completion_tokens == 5
+    assert isinstance(resp.choices[0].text, str)
+
+
+async def test_stop_string_cuts_the_text(client):
+    kwargs = dict(model="tiny", prompt="Hello there!", temperature=0, extra_body={"ignore_eos": True})
+    full = (await client.completions.create(**kwargs, max_tokens=30)).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    cut = full[:full.find(stop)]
+    resp = await client.completions.create(**kwargs, max_tokens=30, stop=[stop])
+    assert resp.choices[0].text == cut and resp.choices[0].finish_reason == "stop"
+    streamed = await client.completions.create(**kwargs, max_tokens=30, stop=stop, stream=True)
+    parts = [c async for c in streamed]
+    assert "".join(c.choices[0].text for c in parts if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in parts if c.choices][-1] == "stop"
+
+
+async def test_seed_makes_sampling_repeatable(client):
+    async def draw(seed):
+        r = await client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0,
+                                            seed=seed, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    first, again = await draw(42), await draw(42)
+    assert first == again
+    assert {await draw(s) for s in (1, 2, 3)} != {first}
+
+
+async def test_models_and_health(server):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(server.url + "/v1/models") as r:
+            data = await r.json()
+    assert data["data"][0]["id"] == "tiny" and data["data"][0]["max_model_len"] == MAX_LEN
+
+
+async def post(url, data=None, json_body=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=data, json=json_body) as r:
+            return r.status, await r.json()
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+    ("/v1/chat/completions", {"model": "tiny"}, "'messages'"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": "ten"}, "'max_tokens'"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -1}, "'temperature'"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}, "'n'"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role"),
+    ("/v1/completions", {"prompt": []}, "'prompt'"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "99999"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, "'stop'"),
+])
+async def test_bad_requests_get_openai_errors(server, path, body, needle):
+    raw = body if isinstance(body, bytes) else None
+    status, data = await post(server.url + path, data=raw, json_body=None if raw else body)
+    assert status == 400
+    assert set(data["error"]) == {"message", "type", "code"}
+    assert needle in data["error"]["message"]
+
+
+async def test_prompt_longer_than_the_context_names_both_lengths(server):
+    status, data = await post(server.url + "/v1/completions", json_body={"prompt": [5] * 200})
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+    assert str(MAX_LEN) in data["error"]["message"] and "200" in data["error"]["message"]
+
+
+async def test_unknown_route_is_an_openai_404(server):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/v1/nope") as r:
+            assert r.status == 404
+            assert "error" in await r.json()
+
+
+async def test_metrics_names_and_latency_histograms(server):
+    async with aiohttp.ClientSession() as s:
+        before = await metrics(s, server.url)
+        await complete_ids(s, server.url, [5, 6, 7, 8], 4, stream=True)
+        after = await metrics(s, server.url)
+    for name in ("prefixgate:num_requests_running", "prefixgate:num_requests_waiting",
+                 "prefixgate:kv_cache_usage_perc", "prefixgate:prefix_cache_queries_total",
+                 "prefixgate:prefix_cache_hits_total", "prefixgate:num_preemptions_total"):
+        assert name in after
+    for hist in ("time_to_first_token_seconds", "request_queue_time_seconds"):
+        key = f"prefixgate:{hist}_count"
+        assert after[key] == before.get(key, 0) + 1
+    key = "prefixgate:time_per_output_token_seconds_count"
+    assert after[key] >= before.get(key, 0) + 3
+    assert after["prefixgate:prefix_cache_queries_total"] == before["prefixgate:prefix_cache_queries_total"] + 4
