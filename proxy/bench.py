@@ -1,0 +1,279 @@
+"""`prefixgate bench`: TTFT/TPOT/goodput of any OpenAI-compatible URL, measured on the client.
+
+    prefixgate bench --url http://127.0.0.1:8080 --tiers 512,2400 --concurrency 1,8 \\
+        --requests 100 --out run.json --plot run.png
+    prefixgate bench compare before.json after.json
+    prefixgate bench --scenario seed --out seed.json      # the staircase, on the demo model
+
+Each cell (prompt tier x concurrency, or tier x arrival rate) runs `--warmup` requests that
+are not counted, then `--requests` measured ones, streamed, each timed to its first content
+event. The archive (`--out`) holds the config, the environment, the target's /v1/models and
+/metrics before and after, every sample and each cell's summary.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Callable
+
+import aiohttp
+
+from . import bench_archive as archive_mod
+from .bench_client import Sample, closed_loop, open_loop, stream_once
+from .bench_prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
+from .bench_stats import cell_table, compare_table, summarize
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError("must be in [0, 1)")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixgate bench", description="Measure TTFT, TPOT, "
+                                "throughput and goodput of an OpenAI-compatible server. "
+                                "`prefixgate bench compare A.json B.json` prints ratios.")
+    p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
+                                 "is fine)")
+    p.add_argument("--scenario", choices=["seed"], help="run a built-in scenario instead: "
+                   "`seed` is the TTFT staircase on the bundled demo engine")
+    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--tiers", type=int_list, default=[512, 2400, 8000],
+                   help="prompt lengths in tokens (default 512,2400,8000)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32],
+                   help="closed-loop concurrency levels (default 1,8,32)")
+    p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "
+                   "requests/s (replaces --concurrency)")
+    p.add_argument("--requests", type=int, default=200, help="measured requests per cell")
+    p.add_argument("--warmup", type=int, default=10, help="uncounted requests before each cell")
+    p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, SGLang) "
+                   "so every request produces --max-tokens tokens")
+    p.add_argument("--shared-prefix", type=fraction, default=0.8, help="fraction of each "
+                   "prompt that is a system prompt shared by all requests (default 0.8)")
+    p.add_argument("--dynamic-head", action="store_true", help="put the current time at the "
+                   "head of the system prompt, as many apps do (breaks prefix caching)")
+    p.add_argument("--tokenizer", help="dir with the target's tokenizer.json (or `demo`) for "
+                   "exact prompt lengths; without it lengths are approximate (1 word = 1 token)")
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0, help="TTFT SLO for goodput")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
+    p.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--out", help="write the JSON archive here")
+    p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="seed scenario: fewer requests")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "compare":
+        return compare_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot and not archive_mod.have_matplotlib():
+        print(f"prefixgate bench: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
+        return 2
+    if args.scenario == "seed":
+        from .bench_seed import run_seed
+        return run_seed(args)
+    if not args.url:
+        parser.error("--url is required (or --scenario seed)")
+    if args.requests <= 0 or args.warmup < 0 or args.max_tokens <= 0:
+        parser.error("--requests and --max-tokens must be > 0, --warmup >= 0")
+    try:
+        lengths = Lengths(load_tokenizer(args.tokenizer))
+    except (OSError, ValueError) as e:
+        print(f"prefixgate bench: cannot load tokenizer {args.tokenizer!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run(args, lengths))
+    except TargetError as e:
+        print(f"prefixgate bench: {e}", file=sys.stderr)
+        return 2
+
+
+def compare_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="prefixgate bench compare",
+                                description="TTFT p50/p95/p99 of two archives and B/A ratios")
+    p.add_argument("a")
+    p.add_argument("b")
+    args = p.parse_args(argv)
+    try:
+        a, b = archive_mod.load(args.a), archive_mod.load(args.b)
+    except (OSError, ValueError) as e:
+        print(f"prefixgate bench compare: {e}", file=sys.stderr)
+        return 2
+    print(f"A = {args.a}\nB = {args.b}\n(TTFT in ms; B/A < 1 means B is faster)\n")
+    print(compare_table(a, b))
+    return 0
+
+
+class TargetError(Exception):
+    """The target cannot be benchmarked (unreachable, no model)."""
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def auth_headers(api_key: str | None) -> dict:
+    import os
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def client_session(timeout_s: float) -> aiohttp.ClientSession:
+    # no connection cap: the load generator must never be the queue being measured
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def pick_model(session, base: str, headers: dict, model: str | None) -> tuple[str, dict]:
+    models = await archive_mod.snapshot(session, base, "/v1/models", headers)
+    if model:
+        return model, models
+    try:
+        return models["data"][0]["id"], models
+    except (TypeError, KeyError, IndexError):
+        raise TargetError(f"{base}/v1/models gave no model; is the server up? "
+                          "(or pass --model)") from None
+
+
+def request_body(messages_body: dict, model: str, max_tokens: int, ignore_eos: bool,
+                 endpoint: str, lengths: Lengths | None = None) -> dict:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0.0}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if endpoint == "completions":
+        body["prompt"] = render_prompt(messages_body, lengths)
+    else:
+        body.update(messages_body)
+    return body
+
+
+def render_prompt(messages_body: dict, lengths: Lengths | None) -> str:
+    tok = lengths.tokenizer if lengths else None
+    if tok is not None and getattr(tok, "chat_template", None):
+        try:
+            return tok.apply_chat_template(messages_body["messages"],
+                                           tools=messages_body.get("tools"))
+        except ValueError:
+            pass
+    return "\n\n".join(m["content"] for m in messages_body["messages"])
+
+
+async def measure(session, url: str, headers: dict, make_body: Callable[[int], dict], *,
+                  requests: int, warmup: int, concurrency: int | None = None,
+                  rate: float | None = None, seed: int = 0, label: str = "") -> list[Sample]:
+    """Warm-up, then the measured requests of one cell; returns every sample."""
+    async def send(s: Sample) -> Sample:
+        return await stream_once(session, url, make_body(s.index), headers, s)
+    warm = [Sample(index=i, warmup=True) for i in range(warmup)]
+    measured = [Sample(index=warmup + i) for i in range(requests)]
+    progress = archive_mod.Progress(warmup + requests, label)
+
+    def done(s: Sample) -> None:
+        progress.step(s.ok)
+    if warm:
+        await closed_loop(send, warm, concurrency or 1, done)
+    if rate is not None:
+        await open_loop(send, measured, rate, seed, done)
+    else:
+        await closed_loop(send, measured, concurrency or 1, done)
+    return warm + measured
+
+
+def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: float) -> dict:
+    origin = min((s.start for s in samples), default=0.0)
+    return {"label": label, **params, "summary": summarize(samples, slo_ttft_s),
+            "samples": [s.to_json(origin) for s in samples]}
+
+
+async def run(args, lengths: Lengths) -> int:
+    base, headers = base_url(args.url), auth_headers(args.api_key)
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    loads = ([("rate", r) for r in args.rate] if args.rate
+             else [("concurrency", c) for c in args.concurrency])
+    cells = []
+    async with client_session(args.timeout) as session:
+        model, models = await pick_model(session, base, headers, args.model)
+        metrics_before = await archive_mod.snapshot(session, base, "/metrics", headers)
+        for tier in args.tiers:
+            prompts = PromptSet(PromptSpec(tier, args.shared_prefix, args.dynamic_head,
+                                           seed=args.seed), lengths)
+
+            def make_body(i: int, prompts=prompts) -> dict:
+                return request_body(prompts.body(i), model, args.max_tokens, args.ignore_eos,
+                                    args.endpoint, lengths)
+            built = prompts.measured_tokens(prompts.body(0))
+            for kind, value in loads:
+                label = (f"tier={tier} c={value}" if kind == "concurrency"
+                         else f"tier={tier} rate={value:g}/s")
+                samples = await measure(session, base + path, headers, make_body,
+                                        requests=args.requests, warmup=args.warmup,
+                                        seed=args.seed, label=label, **{kind: value})
+                cells.append(cell_record(label, {"tier": tier, kind: value,
+                                                 "prompt_tokens_built": built},
+                                         samples, args.slo_ttft_ms / 1000.0))
+        metrics_after = await archive_mod.snapshot(session, base, "/metrics", headers)
+    archive = {"schema": archive_mod.SCHEMA, "kind": "grid",
+               "config": {**{k: v for k, v in vars(args).items() if k != "api_key"},
+                          "model": model, "lengths": "exact" if lengths.exact else "approximate"},
+               "environment": archive_mod.environment(),
+               "target": {"url": base, "models": models, "metrics_before": metrics_before,
+                          "metrics_after": metrics_after},
+               "cells": cells}
+    return report(archive, args)
+
+
+def report(archive: dict, args) -> int:
+    """Print the table, write the archive and the plot; 1 when a cell measured nothing."""
+    cfg = archive["config"]
+    print(f"\nprefixgate bench: {cfg.get('url') or cfg.get('scenario')} model={cfg['model']} "
+          f"max_tokens={cfg['max_tokens']} lengths={cfg['lengths']} "
+          f"slo_ttft={cfg['slo_ttft_ms']:g}ms (latencies in ms)")
+    print(cell_table(archive["cells"]))
+    for c in archive["cells"]:
+        if c["summary"].get("first_error"):
+            print(f"{c['label']}: {c['summary']['errors']} errors, first: "
+                  f"{c['summary']['first_error']}", file=sys.stderr)
+    if args.out:
+        archive_mod.write(args.out, archive)
+        print(f"archive written to {args.out}")
+    if args.plot:
+        archive_mod.plot_cdfs(archive, args.plot)
+        print(f"plot written to {args.plot}")
+    failed = any(c["summary"]["requests"] and c["summary"]["errors"] == c["summary"]["requests"]
+                 for c in archive["cells"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Client-side measurement for `prefixgate bench`: one streamed request, and the two load
+shapes (closed-loop concurrency, open-loop Poisson arrivals).
+
+TTFT is measured where a user feels it: from just before the request is sent to the arrival
+of the first SSE event that carries content (role-only and empty events do not count).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Awaitable, Callable
+
+import aiohttp
+
+
+@dataclass
+class Sample:
+    index: int
+    warmup: bool = False
+    start: float = 0.0               # monotonic send time
+    ttft: float | None = None        # seconds to the first content event
+    latency: float | None = None     # seconds to the end of the stream
+    itl: list[float] = field(default_factory=list)   # gaps between content events
+    output_tokens: int = 0           # usage.completion_tokens, else content events
+    content_events: int = 0
+    prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
+    status: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.ttft is None or self.latency is None or self.output_tokens < 2 or not self.itl:
+            return None
+        return sum(self.itl) / len(self.itl)
+
+    def to_json(self, origin: float) -> dict:
+        d = asdict(self)
+        d["start"] = round(self.start - origin, 6)
+        return d
+
+
+def has_content(event: dict) -> bool:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls") \
+                or choice.get("text"):
+            return True
+    return False
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
+                      sample: Sample) -> Sample:
+    """POST `body` to `url` with stream=true and fill `sample` with what arrived when."""
+    sample.start = t0 = time.monotonic()
+    last = None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            sample.status = resp.status
+            if resp.status != 200:
+                sample.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
+                return sample
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                now = time.monotonic()
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    last = _on_event(event, now, t0, last, sample)
+            sample.latency = time.monotonic() - t0
+            sample.output_tokens = sample.output_tokens or sample.content_events
+            if sample.ttft is None and sample.error is None:
+                sample.error = "stream ended without content"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        sample.error = f"{type(e).__name__}: {e}"
+    return sample
+
+
+def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample):
+    data = event.strip()
+    if not data.startswith(b"data:"):
+        return last
+    data = data[5:].strip()
+    if data == b"[DONE]":
+        return last
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        s.error = f"bad SSE event: {data[:80]!r}"
+        return last
+    if "error" in obj:
+        s.error = f"error event: {error_message(data)}"
+        return last
+    usage = obj.get("usage")
+    if usage:
+        s.prompt_tokens = usage.get("prompt_tokens", s.prompt_tokens)
+        s.output_tokens = usage.get("completion_tokens") or s.output_tokens
+    if has_content(obj):
+        if last is None:
+            s.ttft = now - t0
+        else:
+            s.itl.append(now - last)
+        s.content_events += 1
+        return now
+    return last
+
+
+def error_message(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw)
+        err = obj.get("error", obj)
+        return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+    except (ValueError, AttributeError):
+        return raw[:300].decode("utf-8", "replace")
+
+
+Send = Callable[[Sample], Awaitable[Sample]]
+
+
+async def closed_loop(send: Send, samples: list[Sample], concurrency: int,
+                      on_done: Callable[[Sample], None]) -> None:
+    """`concurrency` workers, each sending its next request as soon as the last one ended."""
+    queue = iter(samples)
+
+    async def worker():
+        for s in queue:          # a shared iterator: each sample is taken once
+            await send(s)
+            on_done(s)
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+
+
+async def open_loop(send: Send, samples: list[Sample], rate: float, seed: int,
+                    on_done: Callable[[Sample], None]) -> None:
+    """Poisson arrivals at `rate` requests/s, whatever the server's pace (no back-pressure)."""
+    rng = random.Random(seed)
+    tasks = []
+    next_at = time.monotonic()
+
+    async def one(s):
+        await send(s)
+        on_done(s)
+    for s in samples:
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(s)))
+        next_at += rng.expovariate(rate)
+    await asyncio.gather(*tasks)

@@ -1,0 +1,155 @@
+"""`prefixgate bench` against a stand-in upstream whose delays are known."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import pytest
+
+from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
+from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.proxy import bench
+from prefixgate.proxy.bench_archive import SCHEMA, have_matplotlib
+from prefixgate.proxy.bench_prompts import WORDS, Lengths, PromptSet, PromptSpec
+from prefixgate.proxy.bench_stats import percentile
+
+
+async def run_cli(*argv: str) -> tuple[int, str, str]:
+    """The real command line, as a child process (the servers live on this test's loop)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.proxy.cli", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_bench_recovers_known_delays_and_archives_everything(make_standin, tmp_path):
+    up = await make_standin(first_delay=0.15, gap=0.02, tokens=5)
+    out = tmp_path / "run.json"
+    rc, stdout, stderr = await run_cli(
+        "bench", "--url", up.url + "/v1", "--tiers", "64,200", "--concurrency", "1,3",
+        "--requests", "9", "--warmup", "2", "--max-tokens", "5", "--out", str(out))
+    assert rc == 0, stderr
+    assert "tier=200 c=3" in stdout and "ttft p50" in stdout
+    archive = json.loads(out.read_text())
+    assert archive["schema"] == SCHEMA
+    assert archive["config"]["tiers"] == [64, 200] and archive["config"]["model"] == "standin-model"
+    assert archive["environment"]["python"] and archive["environment"]["cpu_count"]
+    assert archive["target"]["models"]["data"][0]["id"] == "standin-model"
+    assert "vllm:num_requests_running" in archive["target"]["metrics_before"]
+    assert [c["label"] for c in archive["cells"]] == [
+        "tier=64 c=1", "tier=64 c=3", "tier=200 c=1", "tier=200 c=3"]
+    for cell in archive["cells"]:
+        s = cell["summary"]
+        assert s["requests"] == 9 and s["errors"] == 0
+        assert len(cell["samples"]) == 11 and sum(x["warmup"] for x in cell["samples"]) == 2
+        # the stand-in waits 150 ms before its first event and 20 ms between events
+        assert 145 <= s["ttft_p50_ms"] <= 240, s
+        assert 18 <= s["tpot_p50_ms"] <= 45, s
+        assert all(x["output_tokens"] == 5 for x in cell["samples"])
+    # 2 + 9 requests per cell reached the stand-in, with the asked-for body
+    assert len(up.requests) == 4 * 11
+    sent = up.requests[-1]["json"]
+    assert sent["stream"] is True and sent["max_tokens"] == 5 and sent["model"] == "standin-model"
+
+
+async def test_bench_compare_prints_ratios(make_standin, tmp_path):
+    fast = await make_standin(first_delay=0.05, record=False)
+    slow = await make_standin(first_delay=0.2, record=False)
+    common = ["--tiers", "32", "--concurrency", "2", "--requests", "6", "--warmup", "0"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    (rc1, _, e1), (rc2, _, e2) = await asyncio.gather(
+        run_cli("bench", "--url", slow.url, *common, "--out", str(a)),
+        run_cli("bench", "--url", fast.url, *common, "--out", str(b)))
+    assert rc1 == rc2 == 0, e1 + e2
+    rc, stdout, _ = await run_cli("bench", "compare", str(a), str(b))
+    assert rc == 0
+    row = next(line for line in stdout.splitlines() if line.startswith("tier=32 c=2"))
+    ratio_p50 = float(row.split()[-3])
+    assert 0.15 < ratio_p50 < 0.45, row          # ~50 ms / ~200 ms
+    rc, _, stderr = await run_cli("bench", "compare", str(a), str(tmp_path / "missing.json"))
+    assert rc == 2 and "missing.json" in stderr
+
+
+async def test_open_loop_arrivals_do_not_wait_for_responses(make_standin):
+    up = await make_standin(first_delay=0.4, tokens=1)
+    args = bench.build_parser().parse_args([
+        "--url", up.url, "--tiers", "16", "--rate", "25", "--requests", "12", "--warmup", "0"])
+    t0 = time.monotonic()
+    rc = await bench.run(args, Lengths())
+    elapsed = time.monotonic() - t0
+    assert rc == 0
+    # closed-loop at concurrency 1 would take 12 x 0.4 s; Poisson arrivals at 25/s overlap
+    assert elapsed < 2.5, elapsed
+    starts = sorted(r["t"] for r in up.requests)
+    assert starts[-1] - starts[0] < 1.6
+
+
+async def test_errors_are_counted_and_reported(make_standin, capsys):
+    up = await make_standin(fail="status", status=503)
+    args = bench.build_parser().parse_args([
+        "--url", up.url, "--tiers", "16", "--concurrency", "1", "--requests", "3", "--warmup", "0"])
+    assert await bench.run(args, Lengths()) == 1
+    err = capsys.readouterr().err
+    assert "3 errors" in err and "HTTP 503" in err and "stand-in failure" in err
+
+
+async def test_unreachable_target_is_a_clear_error(tmp_path):
+    rc, _, stderr = await run_cli("bench", "--url", "http://127.0.0.1:9", "--requests", "1")
+    assert rc == 2 and "/v1/models gave no model" in stderr
+
+
+async def test_plot_without_matplotlib_says_how_to_install():
+    if have_matplotlib():
+        pytest.skip("matplotlib is installed here")
+    rc, _, stderr = await run_cli("bench", "--url", "http://127.0.0.1:9", "--plot", "x.png")
+    assert rc == 2 and "prefixgate[plot]" in stderr
+
+
+async def test_plot_draws_cdfs(make_standin, tmp_path):
+    pytest.importorskip("matplotlib")
+    up = await make_standin(first_delay=0.01)
+    png = tmp_path / "cdf.png"
+    rc, _, stderr = await run_cli("bench", "--url", up.url, "--tiers", "16", "--concurrency",
+                                  "1", "--requests", "4", "--warmup", "0", "--plot", str(png))
+    assert rc == 0, stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("tok")
+    text = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)] * 4
+    write_tokenizer_files(d, train_bpe_tokenizer(text, vocab_size=600))
+    return Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize("tier", [128, 700])
+def test_prompt_tiers_are_exact_with_the_targets_tokenizer(tokenizer, tier):
+    prompts = PromptSet(PromptSpec(tier, shared=0.8), Lengths(tokenizer))
+    a, b = prompts.body(1), prompts.body(2)
+    for body in (a, b):
+        assert abs(prompts.measured_tokens(body) - tier) <= max(2, tier // 50)
+    assert a["messages"][0] == b["messages"][0]              # the shared system prompt
+    assert a["messages"][1]["content"][:20] != b["messages"][1]["content"][:20]
+    system = len(tokenizer.encode(a["messages"][0]["content"]))
+    assert abs(system - 0.8 * (tier - Lengths(tokenizer).chat_overhead())) <= max(3, tier // 50)
+
+
+def test_dynamic_head_makes_every_system_prompt_unique():
+    prompts = PromptSet(PromptSpec(200, shared=0.8, dynamic_head=True), Lengths())
+    heads = {prompts.body(i)["messages"][0]["content"] for i in range(3)}
+    assert len(heads) == 3
+    assert all(h.startswith("Current time: ") for h in heads)
+    # approximate lengths: one word = one token
+    body = prompts.body(0)
+    assert abs(prompts.measured_tokens(body) - 200) <= 4
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 95) == pytest.approx(4.8)
+    assert percentile([], 50) is None
