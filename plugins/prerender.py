@@ -1,0 +1,244 @@
+"""Plugin `prerender`: render the chat template and tokenize in the gateway, caching the prefix.
+
+With `model.tokenizer` configured, every chat request is rendered with the model's own chat
+template (`prefixgate.backend.tokenizer`, jinja2 sandbox, HF semantics) and tokenized, so the
+router can key on the exact token blocks the engine's prefix cache will see
+(`ctx.tokens`, `ctx.block_hashes`).
+
+Tokenizing a 10k-token system prompt on every request would cost milliseconds, so the static
+prefix — the leading system messages and the tools — is rendered and tokenized once and
+cached by its xxhash. A later request with the same prefix renders the conversation, checks
+that the rendering still starts with the cached prefix text, and tokenizes only the tail.
+
+Where to split matters: BPE merges across any boundary in plain text, so the prefix is cut
+right after the last special token (`<|im_end|>`, `<|eot_id|>`…) of its own rendering; text
+on either side of a special token is tokenized independently. The split is also verified
+once per prefix (prefix ids + tail ids == ids of the whole), and a prefix whose split does
+not verify is never served split.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+from prometheus_client import CollectorRegistry, Counter
+
+from prefixgate.proxy.config import ConfigError, Key, positive, non_negative
+from prefixgate.proxy.errors import HTTPError
+from prefixgate.proxy.plugin import Plugin
+
+from .prefix_keys import ROOT_HASH, prompt_token_ids
+
+PREFIX_ROLES = ("system", "developer")
+
+
+def continue_chain(parent: int, tokens, block_tokens: int) -> list[int]:
+    """Block hashes for the full blocks of `tokens`, chained after `parent` — the same
+    formula as `prefix_keys.block_hash_chain` (and the engine's block manager)."""
+    n = len(tokens) // block_tokens
+    if n <= 0:
+        return []
+    data = memoryview(array("q", tokens[:n * block_tokens]).tobytes())
+    step = 8 * block_tokens
+    out, h = [], parent
+    for i in range(0, n * step, step):
+        h = xxhash.xxh64_intdigest(h.to_bytes(8, "little") + data[i:i + step])
+        out.append(h)
+    return out
+
+
+def special_strings(tok) -> list[str]:
+    """The special tokens' texts: the only safe places to split a rendered prompt."""
+    out = set()
+    inner = getattr(tok, "_tok", None)     # the wrapped tokenizers.Tokenizer
+    if inner is not None and hasattr(inner, "get_added_tokens_decoder"):
+        out.update(t.content for t in inner.get_added_tokens_decoder().values() if t.special)
+    for v in getattr(tok, "special_tokens", {}).values():
+        out.update([v] if isinstance(v, str) else [x for x in v if isinstance(x, str)])
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+@dataclass(slots=True)
+class Prefix:
+    text: str                  # rendered prefix, cut after its last special token ("" = no split)
+    ids: list[int]
+    hashes: list[int]          # chain over the prefix's full blocks
+
+
+@dataclass(slots=True)
+class Rendered:
+    text: str
+    tokens: list[int]
+    block_hashes: list[int]
+    cache: str                 # "hit", "miss", "unsplittable" or "none"
+    cached: int = 0            # leading tokens that came from the prefix cache
+
+
+class PromptCache:
+    """The pure part: messages (+ tools) → rendered prompt, token ids, block hashes."""
+
+    def __init__(self, tokenizer, block_tokens: int = 16, max_entries: int = 256):
+        self.tok = tokenizer
+        self.block_tokens = block_tokens
+        self.max_entries = max_entries
+        self.specials = special_strings(tokenizer)
+        self.entries: OrderedDict[int, Prefix] = OrderedDict()
+
+    @staticmethod
+    def prefix_len(messages: list) -> int:
+        n = 0
+        while n < len(messages) and isinstance(messages[n], dict) and \
+                messages[n].get("role") in PREFIX_ROLES:
+            n += 1
+        return n
+
+    def key(self, messages: list, n: int, tools, kwargs: dict) -> int:
+        """xxhash of what the prefix rendering depends on: the prefix messages, tools, options."""
+        h = xxhash.xxh3_64()
+        for m in messages[:n]:
+            content = m.get("content")
+            h.update(json.dumps({k: v for k, v in m.items() if k != "content"},
+                                sort_keys=True).encode())
+            h.update(b"\x1f")
+            h.update(content.encode("utf-8", "surrogatepass") if isinstance(content, str)
+                     else json.dumps(content, sort_keys=True).encode())
+            h.update(b"\x1e")
+        h.update(json.dumps([tools, kwargs], sort_keys=True).encode())
+        return h.intdigest()
+
+    def lookup(self, messages: list, tools=None, kwargs: dict | None = None):
+        """(prefix message count, cache key, cached prefix or None) for a request."""
+        n = self.prefix_len(messages)
+        if n == 0 and not tools:
+            return 0, None, None
+        key = self.key(messages, n, tools, kwargs or {})
+        return n, key, self.entries.get(key)
+
+    def render(self, messages: list, tools=None, add_generation_prompt: bool = True,
+               kwargs: dict | None = None, looked=None) -> Rendered:
+        kwargs = kwargs or {}
+        full = self.tok.apply_chat_template(messages, tools=tools,
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
+        n, key, entry = looked or self.lookup(messages, tools, kwargs)
+        if key is None:
+            return self._whole(full, "none")
+        if entry is not None:
+            self.entries.move_to_end(key)
+            if entry.text and full.startswith(entry.text):
+                return self._split(full, entry)
+            if not entry.text:
+                return self._whole(full, "unsplittable")
+        return self._learn(key, full, messages[:n], tools, kwargs)
+
+    def _whole(self, full: str, how: str) -> Rendered:
+        ids = self.tok.encode(full)
+        return Rendered(full, ids, continue_chain(ROOT_HASH, ids, self.block_tokens), how)
+
+    def _split(self, full: str, entry: Prefix) -> Rendered:
+        tail = self.tok.encode(full[len(entry.text):])
+        ids = entry.ids + tail
+        done = len(entry.hashes) * self.block_tokens
+        parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
+        return Rendered(full, ids, entry.hashes + continue_chain(parent, ids[done:],
+                                                                 self.block_tokens), "hit",
+                        len(entry.ids))
+
+    def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs) -> Rendered:
+        """A miss: tokenize the whole prompt, and cache the prefix if its split verifies."""
+        whole = self._whole(full, "miss")
+        entry = Prefix("", [], [])
+        text = self._prefix_text(prefix_msgs, tools, kwargs)
+        if text and full.startswith(text):
+            ids = self.tok.encode(text)
+            if whole.tokens[:len(ids)] == ids and \
+                    self.tok.encode(full[len(text):]) == whole.tokens[len(ids):]:
+                nb = len(ids) // self.block_tokens
+                entry = Prefix(text, ids, whole.block_hashes[:nb])
+        if not entry.text:
+            whole.cache = "unsplittable"
+        self.entries[key] = entry
+        if len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+        return whole
+
+    def _prefix_text(self, prefix_msgs: list, tools, kwargs) -> str:
+        """The prefix's own rendering, cut right after its last special token."""
+        try:
+            text = self.tok.apply_chat_template(prefix_msgs, tools=tools,
+                                                add_generation_prompt=False, **kwargs)
+        except ValueError:           # e.g. a template that insists on a user turn
+            return ""
+        cut = max((text.rfind(s) + len(s) for s in self.specials if s in text), default=0)
+        return text[:cut]
+
+
+class Prerender(Plugin):
+    name = "prerender"
+    spec = {
+        "block_tokens": Key(int, 16, positive),        # the engine's KV block size
+        "cache_entries": Key(int, 256, positive),      # distinct prefixes remembered
+        "inline_chars": Key(int, 8192, non_negative),  # larger uncached work goes to a thread
+    }
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        from prefixgate.backend.tokenizer import Tokenizer, TokenizerLoadError
+        path = (getattr(gw, "config", None) or {}).get("model", {}).get("tokenizer")
+        if not path:
+            raise ConfigError("", "needs `model.tokenizer` (a directory with tokenizer.json)")
+        try:
+            tok = Tokenizer.from_dir(path)
+        except TokenizerLoadError as e:
+            raise ConfigError("", f"model.tokenizer: {e}") from None
+        self.cache = PromptCache(tok, self.cfg["block_tokens"], self.cfg["cache_entries"])
+        reg = getattr(gw, "registry", None) or CollectorRegistry()
+        self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
+                               "lookups by result (hit, miss, unsplittable, none)", ["result"],
+                               registry=reg)
+        self.tokens = Counter("prefixgate_prerender_tokens", "Prompt tokens, by whether they "
+                              "came from the prefix cache", ["source"], registry=reg)
+
+    async def on_request(self, ctx) -> None:
+        body = ctx.body
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            r = await self._render_chat(ctx, body, messages)
+            ctx.tokens, ctx.block_hashes = r.tokens, r.block_hashes
+            self.lookups.labels(r.cache).inc()
+            return
+        ids = prompt_token_ids(body)
+        prompt = body.get("prompt")
+        if ids is None and isinstance(prompt, str):
+            ids = await self._maybe_thread(len(prompt), self.cache.tok.encode, prompt)
+        if ids is not None:
+            ctx.tokens = ids
+            ctx.block_hashes = continue_chain(ROOT_HASH, ids, self.cache.block_tokens)
+
+    async def _render_chat(self, ctx, body, messages) -> Rendered:
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        tools = body.get("tools")
+        looked = self.cache.lookup(messages, tools, kwargs)
+        entry = looked[2]
+        size = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str)
+                   else 256 for m in messages) - (len(entry.text) if entry is not None else 0)
+        try:
+            r = await self._maybe_thread(size, self.cache.render, messages, tools,
+                                         body.get("add_generation_prompt", True) is not False,
+                                         kwargs, looked)
+        except ValueError as e:      # ChatTemplateError: the client's messages do not fit
+            raise HTTPError(400, str(e), code="invalid_messages") from None
+        self.tokens.labels("cache").inc(r.cached)
+        self.tokens.labels("tokenized").inc(len(r.tokens) - r.cached)
+        return r
+
+    async def _maybe_thread(self, size: int, fn, *args, **kwargs):
+        """Small work runs inline (a thread hop costs more); large uncached work runs in a
+        thread so the event loop keeps streaming other requests' tokens."""
+        if size <= self.cfg["inline_chars"]:
+            return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
