@@ -30,8 +30,11 @@ def kv_scales(scale, num_kv_heads: int, device) -> torch.Tensor:
 
     Scales matter only for FP8 caches (stored = value / scale); None means 1.0.
     """
+    # Plain numbers become a device-side fill, not a host copy, so CUDA-graph capture stays legal.
     if scale is None:
         return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+    if isinstance(scale, (int, float)):
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
     if s.numel() == 1:
         return s.expand(num_kv_heads).contiguous()

@@ -103,3 +103,29 @@ def test_model_hidden_states_match_reference_through_chunks_and_decode(model_dir
         ]
     for got, want in zip(hidden["triton"], hidden["torch"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_matches_eager(model_dir):
+    from prefixgate.backend.cuda_graphs import DecodeGraphRunner
+    model, cfg = load_model(model_dir, device="cuda")
+    shape = (12, 16, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda"))
+              for _ in range(cfg.num_hidden_layers)]
+    graphs = DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=8, max_blocks_per_seq=4)
+    tables = [[5, 2, 9], [7, 1], [3]]
+    prompts = [SHARED, SHARED[:20], SHARED[:9]]
+    step(model, caches, "triton", [(p, t, 0) for p, t in zip(prompts, tables)])
+    for i in range(3):   # 3 sequences replay the batch-4 graph with one padding row
+        chunks = [([30 + i], t, len(p) + i) for p, t in zip(prompts, tables)]
+        eager = step(model, caches, "triton", chunks)
+        ids = torch.tensor([c[0][0] for c in chunks], device="cuda")
+        pos = torch.tensor([c[2] for c in chunks], device="cuda")
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([t[s // 16] * 16 + s % 16 for (_, t, s) in chunks], device="cuda"),
+            block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device="cuda"),
+            seq_lens=torch.tensor([s + 1 for (_, _, s) in chunks], dtype=torch.int32, device="cuda"),
+            query_start_loc=torch.arange(4, dtype=torch.int32, device="cuda"), max_seq_len=0, is_decode=True)
+        assert graphs.can_run(meta)
+        torch.testing.assert_close(graphs.run(ids, pos, meta), eager, atol=1e-4, rtol=1e-4)
