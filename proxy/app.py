@@ -12,9 +12,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
-from . import plugin as plugins
+from . import guard, h1pool, plugin as plugins
+from .auth import Auth
 from .context import RequestContext
 from .errors import HTTPError
+from .health import Health
+from .reload import TrackingRegistry, build_chain
 from .upstream import Upstream
 
 log = logging.getLogger("prefixgate")
@@ -24,8 +27,18 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
 })
-UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# answers worth another upstream when no byte has reached the client yet (nginx's default set)
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class EventStreamResponse(web.StreamResponse):
+    """A streamed response whose headers go out in the same packet as the first event.
+
+    (aiohttp otherwise sends headers in a write of their own at prepare(); the flag is
+    aiohttp's own switch, used by web.Response.)
+    """
+    _send_headers_immediately = False
 
 
 class ClientGone(Exception):
@@ -39,26 +52,26 @@ class UpstreamFailed(Exception):
 class Gateway:
     def __init__(self, config: dict):
         self.config = config
-        self.registry = CollectorRegistry()
+        self.registry: CollectorRegistry = TrackingRegistry()
         self.on_connect: list = []          # (upstream, seconds) callbacks, e.g. metrics
         self.upstreams = [Upstream(u, self.on_connect) for u in config["upstreams"]]
         self.retries = config["retries"]
-        self.chain = plugins.Chain(plugins.build(config["plugins"], self))
-        if not self.chain.scorers:     # no router configured: behave like nginx's default
-            rr = plugins.resolve("round_robin")({}, self)
-            self.chain.scorers.append(rr)
-            self.chain.score.append(rr.score)
+        self.health = Health(config["health"], self)
+        self.auth = Auth(config["auth"])
+        self.chain = build_chain(self, config["plugins"])
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         for up in self.upstreams:
             await up.start()
+        await self.health.start()
         for start in self.chain.start:
             await start()
 
     async def close(self) -> None:
         for close in self.chain.close:
             await close()
+        await self.health.close()
         for up in self.upstreams:
             await up.close()
 
@@ -95,7 +108,8 @@ class Gateway:
             app.router.add_post(path, self.handle_completion)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
+        if self.config.get("admin_listen") is None:
+            app.router.add_get("/metrics", self.handle_metrics)
 
         async def on_startup(_):
             await self.start()
@@ -105,6 +119,18 @@ class Gateway:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+    def make_admin_app(self) -> web.Application:
+        """/metrics and /health for `admin_listen:` (kept off the public address)."""
+        app = web.Application(middlewares=[self._errors_middleware])
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/health", self.handle_health)
+        return app
+
+    async def reload(self, cfg: dict) -> None:
+        """Apply a new validated config; in-flight requests finish on what they started with."""
+        from .reload import apply
+        await apply(self, cfg)
 
     # --- errors ----------------------------------------------------------------------------
     @web.middleware
@@ -128,14 +154,21 @@ class Gateway:
             return HTTPError(500, "internal gateway error", code="internal_error").response()
 
     # --- routing ---------------------------------------------------------------------------
-    def pick(self, ctx: RequestContext, tried: list[Upstream] = ()) -> Upstream:
-        """The best healthy upstream by the weighted sum of the scorers' scores."""
+    def pick(self, ctx: RequestContext, tried: list[Upstream] = (), room=None) -> Upstream:
+        """The best healthy upstream by the weighted sum of the scorers' scores.
+
+        `room(upstream)` overrides the max_inflight check (admission counts its own slots);
+        with an admission plugin in the chain a full set of upstreams is not refused here:
+        the request queues in admit() instead.
+        """
         healthy = [u for u in self.upstreams if u.healthy]
         if not healthy:
             raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
                             headers={"Retry-After": "1"})
         cands = [u for u in healthy if u not in tried] or healthy
-        free = [u for u in cands if u.inflight < u.max_inflight]
+        free = [u for u in cands if (room(u) if room else u.inflight < u.max_inflight)]
+        if not free and room is None and self.chain.admit:
+            free = cands
         if not free:
             raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
                             headers={"Retry-After": "1"})
@@ -150,20 +183,29 @@ class Gateway:
 
     # --- handlers --------------------------------------------------------------------------
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        # the route's own path, never the request's: nothing a client sends picks the URL
         ctx = RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-                             path=request.path, body={}, headers=request.headers)
+                             path=request.match_info.route.resource.canonical, body={},
+                             headers=request.headers)
         ctx.stamp("received")
+        chain = ctx.state["chain"] = self.chain     # a reload does not change it mid-request
+        chain.active += 1
         error: BaseException | None = None
         try:
-            ctx.raw_body = await request.read()
+            self._authenticate(ctx)
+            limits = self.config["limits"]
+            ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
             ctx.body = parse_body(ctx.raw_body)
+            guard.check_depth(ctx.body, limits["max_json_depth"])
+            if limits["validate_fields"]:
+                guard.check_fields(ctx.path, ctx.body)
             ctx.stream = ctx.body.get("stream") is True
             ctx.stamp("parsed")
-            for hook in self.chain.on_request:
+            for hook in chain.on_request:
                 await hook(ctx)
             ctx.stamp("plugins_done")
             ctx.upstream = self.pick(ctx)
-            for hook in self.chain.admit:
+            for hook in chain.admit:
                 await hook(ctx)
             ctx.stamp("admitted")
             return await self.forward(request, ctx)
@@ -181,16 +223,24 @@ class Gateway:
             raise
         finally:
             ctx.stamp("done")
-            for hook in self.chain.on_finish:
+            chain.active -= 1
+            for hook in chain.on_finish:
                 try:
                     hook(ctx, error)
                 except Exception:
                     log.exception("plugin on_finish failed")
 
+    def _authenticate(self, ctx: RequestContext) -> None:
+        key = self.auth.identify(ctx.headers)
+        if key is not None:
+            ctx.api_key = key.name
+            ctx.priority = key.priority or 0
+            ctx.state["gateway.key"] = key
+            self.auth.limit(key)
+
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
-        data = (json.dumps(ctx.body, ensure_ascii=False).encode()
-                if ctx.body_changed else ctx.raw_body)
+        data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
         tried: list[Upstream] = []
         while True:
             ctx.attempts += 1
@@ -198,76 +248,94 @@ class Gateway:
                 return await self._exchange(request, ctx, ctx.upstream, data)
             except UpstreamFailed as e:
                 tried.append(ctx.upstream)
+                failed = HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
+                                   code="upstream_unavailable")
                 if ctx.attempts > self.retries:
-                    raise HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
-                                    code="upstream_unavailable") from None
-                ctx.upstream = self.pick(ctx, tried)
+                    raise failed from None
+                try:
+                    ctx.upstream = self.pick(ctx, tried)
+                except HTTPError as no_other:
+                    raise (failed if no_other.status == 503 else no_other) from None
+
+    def _can_retry(self, ctx: RequestContext, up: Upstream) -> bool:
+        return ctx.attempts <= self.retries and any(
+            u.healthy and u is not up for u in self.upstreams)
 
     async def _exchange(self, request, ctx, up: Upstream, data: bytes) -> web.StreamResponse:
         up.inflight += 1
-        upstream_resp = None
-        done = False
+        upstream_resp: h1pool.Response | None = None
         try:
             ctx.stamp("upstream_sent")
             try:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
-                    upstream_resp = await up.session.post(
-                        up.url + ctx.path, data=data, headers=self._upstream_headers(ctx, up))
-                    first = await upstream_resp.content.readany() if ctx.stream else None
+                    upstream_resp = await up.pool.request(
+                        "POST", ctx.path, self._upstream_headers(ctx, up), data)
+                    first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
+                self.health.bad_answer(up, "first-byte timeout")
                 raise HTTPError(504, f"upstream {up.name} sent no response within "
                                 f"{up.timeouts['first_byte']}s", code="upstream_timeout") from None
-            except UPSTREAM_ERRORS as e:
-                raise UpstreamFailed(describe(e)) from None
-            if ctx.stream and is_event_stream(upstream_resp):
-                resp = await self._relay_stream(request, ctx, up, upstream_resp, first)
+            except h1pool.UpstreamError as e:
+                if str(e).startswith(("cannot connect", "connect timeout")):
+                    self.health.connect_failed(up, str(e))
+                else:
+                    self.health.bad_answer(up, str(e))
+                raise UpstreamFailed(str(e)) from None
+            if upstream_resp.status >= 500:
+                self.health.bad_answer(up, f"HTTP {upstream_resp.status}")
+                if upstream_resp.status in RETRY_STATUSES and self._can_retry(ctx, up):
+                    raise UpstreamFailed(f"HTTP {upstream_resp.status}")
             else:
-                resp = await self._relay_whole(request, ctx, up, upstream_resp, first)
-            done = True
-            return resp
+                self.health.good_answer(up)
+            if ctx.stream and is_event_stream(upstream_resp):
+                return await self._relay_stream(request, ctx, up, upstream_resp, first)
+            return await self._relay_whole(request, ctx, up, upstream_resp, first)
         finally:
             up.inflight -= 1
-            if upstream_resp is not None and not done:
-                upstream_resp.close()      # drop the connection so the backend stops generating
-            elif upstream_resp is not None:
-                upstream_resp.release()
+            if upstream_resp is not None:
+                upstream_resp.close()    # unfinished: drops the connection, the backend stops
 
     async def _relay_whole(self, request, ctx, up, upstream_resp, first) -> web.Response:
         try:
             async with asyncio.timeout(up.timeouts["idle"]):
-                rest = await upstream_resp.read()
-        except (TimeoutError, *UPSTREAM_ERRORS) as e:
+                rest = await upstream_resp.read_all()
+        except (TimeoutError, h1pool.UpstreamError) as e:
+            self.health.bad_answer(up, describe(e))
             raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
                             code="upstream_error") from None
         ctx.stamp("first_byte")
-        for hook in self.chain.on_first_byte:
+        for hook in ctx.state["chain"].on_first_byte:
             hook(ctx)
         ctx.status = upstream_resp.status
-        return web.Response(status=upstream_resp.status, body=(first or b"") + rest,
+        return web.Response(status=upstream_resp.status, body=first + rest,
                             headers=self._response_headers(ctx, upstream_resp))
 
     async def _relay_stream(self, request, ctx, up, upstream_resp, first) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream_resp.status,
-                                  headers=self._response_headers(ctx, upstream_resp))
+        resp = EventStreamResponse(status=upstream_resp.status,
+                                   headers=self._response_headers(ctx, upstream_resp))
         ctx.status = upstream_resp.status
-        on_chunk = self.chain.on_chunk
-        content = upstream_resp.content
+        chain = ctx.state["chain"]
+        on_chunk = chain.on_chunk
         idle = up.timeouts["idle"]
         try:
-            await resp.prepare(request)
+            await resp.prepare(request)      # headers are held back and sent with the first chunk
             chunk = first
             ctx.stamp("first_byte")
-            for hook in self.chain.on_first_byte:
+            for hook in chain.on_first_byte:
                 hook(ctx)
             while chunk:
                 ctx.chunks += chunk.count(b"data:")
                 for hook in on_chunk:
                     hook(ctx, chunk)
+                if upstream_resp.is_eof():   # last piece: send it with the chunked terminator
+                    await resp.write_eof(chunk)
+                    return resp
                 await resp.write(chunk)
                 try:
                     async with asyncio.timeout(idle):
-                        chunk = await content.readany()
-                except (TimeoutError, *UPSTREAM_ERRORS) as e:
+                        chunk = await upstream_resp.read()
+                except (TimeoutError, h1pool.UpstreamError) as e:
+                    self.health.bad_answer(up, describe(e))
                     err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
                                     code="upstream_error")
                     ctx.status = 502
@@ -279,13 +347,21 @@ class Gateway:
         return resp
 
     # --- headers ---------------------------------------------------------------------------
-    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> CIMultiDict:
-        headers = CIMultiDict((k, v) for k, v in ctx.headers.items()
-                              if k.lower() not in HOP_BY_HOP)
-        headers["Accept-Encoding"] = "identity"       # never let a stream be compressed
-        headers["X-Request-Id"] = ctx.request_id
-        headers["Content-Type"] = "application/json"
-        headers.update(up.extra_headers)
+    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> list[tuple[str, str]]:
+        replaced = up.replaced_headers                # set below, or by the upstream's config
+        key = ctx.state.get("gateway.key")
+        if not self.auth.forward:          # a key for the gateway is not one for the backend
+            replaced = replaced | {"authorization"}
+        if key is not None and key.upstream_headers:
+            replaced = replaced | key.replaced
+        headers = [(k, v) for k, v in ctx.headers.items()
+                   if k.lower() not in HOP_BY_HOP and k.lower() not in replaced]
+        headers += [("Accept-Encoding", "identity"),  # never let a stream be compressed
+                    ("X-Request-Id", ctx.request_id),
+                    ("Content-Type", "application/json")]
+        headers += up.extra_headers.items()
+        if key is not None:
+            headers += key.upstream_headers.items()
         return headers
 
     def _our_headers(self, ctx: RequestContext) -> dict[str, str]:
@@ -294,9 +370,12 @@ class Gateway:
             headers["x-prefixgate-upstream"] = ctx.upstream.name
         return headers
 
-    def _response_headers(self, ctx, upstream_resp) -> dict[str, str]:
-        headers = {k: v for k, v in upstream_resp.headers.items()
-                   if k.lower() not in HOP_BY_HOP and k.lower() not in ("date", "server")}
+    def _response_headers(self, ctx, upstream_resp) -> CIMultiDict:
+        headers = CIMultiDict()
+        for name, value in upstream_resp.headers:
+            key = name.decode("latin-1")
+            if key.lower() not in HOP_BY_HOP and key.lower() not in ("date", "server"):
+                headers.add(key, value.decode("latin-1"))
         if ctx.stream:
             headers["Cache-Control"] = "no-cache"
             headers["X-Accel-Buffering"] = "no"       # tell any proxy in front not to buffer
@@ -305,6 +384,7 @@ class Gateway:
 
     # --- other endpoints -------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
+        self.auth.identify(request.headers)
         async def fetch(up: Upstream):
             try:
                 async with asyncio.timeout(up.timeouts["connect"] + 5):
@@ -323,7 +403,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": list(merged.values())})
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        ups = {u.name: {"healthy": u.healthy, "inflight": u.inflight} for u in self.upstreams}
+        ups = {u.name: self.health.report(u) for u in self.upstreams}
         ok = any(u.healthy for u in self.upstreams)
         return web.json_response({"status": "ok" if ok else "unavailable", "upstreams": ups},
                                  status=200 if ok else 503)
@@ -338,12 +418,21 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise HTTPError(400, "request JSON is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
     return body
 
 
-def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+def encode_body(body: dict) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:     # a lone surrogate (\\ud800) from the client: keep it escaped
+        return json.dumps(body).encode()
+
+
+def is_event_stream(resp: h1pool.Response) -> bool:
     return resp.status == 200 and resp.content_type == "text/event-stream"
 
 

@@ -1,17 +1,19 @@
 """One backend server and its keep-alive connection pool."""
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import aiohttp
 
+from .h1pool import Pool
+
 
 class Upstream:
-    """A configured backend: its pool (one ClientSession), in-flight count and health.
+    """A configured backend: its connection pools, in-flight count and health.
 
-    The session never decompresses (bytes pass through as the backend sent them) and keeps
-    connections alive; aiohttp sets TCP_NODELAY on every connection it opens.
+    Completions go through `pool` (proxy.h1pool: keep-alive, TCP_NODELAY, bytes passed
+    through undecoded); the small control-plane requests (health polls, /v1/models,
+    /metrics scrapes) use an aiohttp `session` that never decompresses either.
     """
 
     def __init__(self, cfg: dict, on_connect: list | None = None):
@@ -27,34 +29,33 @@ class Upstream:
         # called with (upstream, seconds) for each new connection; shared gateway-wide
         self.on_connect: list[Callable[["Upstream", float], None]] = (
             on_connect if on_connect is not None else [])
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None   # control plane: polls, /v1/models
+        self.pool: Pool | None = None                         # data plane: completions
+        # request headers the gateway sets itself, so the client's copies are dropped
+        self.replaced_headers = frozenset(
+            {"accept-encoding", "x-request-id", "content-type"} | {k.lower() for k in
+                                                                    self.extra_headers})
 
     def __repr__(self) -> str:
         return f"Upstream({self.name!r}, {self.url!r})"
 
     async def start(self) -> None:
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_start.append(self._connect_start)
-        trace.on_connection_create_end.append(self._connect_end)
-        connector = aiohttp.TCPConnector(limit=self.cfg["max_connections"],
-                                         keepalive_timeout=60, enable_cleanup_closed=False)
+        self.pool = Pool(self.url, self.cfg["max_connections"], self.timeouts["connect"],
+                         self._connected)
         self.session = aiohttp.ClientSession(
-            connector=connector,
+            connector=aiohttp.TCPConnector(limit=8),
             auto_decompress=False,
-            trace_configs=[trace],
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts["connect"]),
             skip_auto_headers=("User-Agent",),
         )
 
     async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self.session is not None:
             await self.session.close()
 
-    async def _connect_start(self, session, ctx, params) -> None:
-        ctx.t0 = time.monotonic()
-
-    async def _connect_end(self, session, ctx, params) -> None:
+    def _connected(self, seconds: float) -> None:
         self.connections_opened += 1
-        elapsed = time.monotonic() - ctx.t0
         for hook in self.on_connect:
-            hook(self, elapsed)
+            hook(self, seconds)

@@ -1,0 +1,235 @@
+"""How much latency and throughput does the gateway cost? Measured against nginx.
+
+A fast stand-in upstream is reached three ways in one run, interleaved round by round:
+directly, through nginx configured as operators do for SSE (proxy_buffering off, gzip off,
+HTTP/1.1 upstream keep-alive), and through `prefixgate serve`. Each server runs in its own
+process; this process is the client. Prints medians over rounds and ratios vs nginx.
+
+    python -m prefixgate.proxy.bench_overhead --concurrency 1,32 --requests 2000 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from .bundled import free_port
+
+NGINX_CONF = """
+worker_processes auto;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    upstream llm {{ server 127.0.0.1:{upstream_port}; keepalive 128; }}
+    server {{
+        listen 127.0.0.1:{port};
+        gzip off;
+        location / {{
+            proxy_pass http://llm;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_read_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+BODY = {"model": "standin-model", "stream": True, "max_tokens": 1,
+        "messages": [{"role": "user", "content": "ping"}]}
+
+
+def spawn(cmd: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + path) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, data=payload,
+                            headers={"Content-Type": "application/json"}) as r:
+        first = await r.content.readany()
+        ttft = time.perf_counter() - t0
+        if r.status != 200 or not first:
+            raise RuntimeError(f"bad response {r.status} from {url}")
+        await r.read()
+    return ttft
+
+
+async def run_cell(url: str, concurrency: int, requests: int, warmup: int) -> dict:
+    payload = json.dumps(BODY).encode()
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(warmup):
+            await one_request(session, url, payload)
+        samples: list[float] = []
+        remaining = requests
+
+        async def worker():
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                samples.append(await one_request(session, url, payload))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    samples.sort()
+    return {"p50_ms": 1000 * samples[len(samples) // 2],
+            "p99_ms": 1000 * samples[min(len(samples) - 1, int(len(samples) * 0.99))],
+            "rps": len(samples) / wall}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children (nginx workers), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:     # fields[1] is the parent pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def start_servers(tmp: Path, tokens: int, nginx_bin: str | None) -> tuple[dict, list, dict]:
+    """Start the upstream, nginx and the gateway; return their URLs, processes and the pid
+    whose CPU counts as each target's proxy cost (none for direct)."""
+    procs, targets, pids = [], {}, {}
+    up_port = free_port("127.0.0.1")
+    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.standin", "--port", str(up_port),
+                        "--tokens", str(tokens), "--no-record"]))
+    targets["direct"] = f"http://127.0.0.1:{up_port}"
+    if nginx_bin:
+        port = free_port("127.0.0.1")
+        conf = tmp / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(tmp=tmp, upstream_port=up_port, port=port))
+        procs.append(spawn([nginx_bin, "-c", str(conf), "-p", str(tmp)]))
+        targets["nginx"] = f"http://127.0.0.1:{port}"
+        pids["nginx"] = procs[-1].pid
+    port = free_port("127.0.0.1")
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   f"upstreams:\n  - {{name: a, url: 'http://127.0.0.1:{up_port}', "
+                   f"max_inflight: 4096, max_connections: 128}}\n"
+                   f"plugins:\n  - least_inflight: {{}}\n  - metrics: {{}}\n")
+    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config",
+                        str(cfg), "--log-level", "warning"]))
+    targets["gateway"] = f"http://127.0.0.1:{port}"
+    pids["gateway"] = procs[-1].pid
+    return targets, procs, pids
+
+
+async def measure(args) -> dict:
+    nginx_bin = None if args.no_nginx else shutil.which("nginx") or (
+        "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if nginx_bin is None and not args.no_nginx:
+        print("nginx not found (apt-get install nginx): measuring direct and gateway only",
+              file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="pg-overhead-") as tmpdir:
+        targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin)
+        try:
+            for url in targets.values():
+                await wait_ready(url)
+            rounds: dict = {c: {t: [] for t in targets} for c in args.concurrency}
+            for r in range(args.rounds):
+                for c in args.concurrency:
+                    for name, url in targets.items():
+                        cpu0 = cpu_seconds(pids[name]) if name in pids else 0.0
+                        cell = await run_cell(url + "/v1/chat/completions", c,
+                                              args.requests, args.warmup)
+                        cpu = cpu_seconds(pids[name]) - cpu0 if name in pids else 0.0
+                        cell["proxy_cpu_us"] = 1e6 * cpu / (args.requests + args.warmup)
+                        rounds[c][name].append(cell)
+                        print(f"round {r + 1} c={c:<3} {name:8} p50 {cell['p50_ms']:.3f} ms  "
+                              f"p99 {cell['p99_ms']:.3f} ms  {cell['rps']:.0f} req/s  "
+                              f"proxy CPU {cell['proxy_cpu_us']:.0f} us/req",
+                              file=sys.stderr, flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+    return {c: {t: {k: statistics.median(x[k] for x in cells) for k in cells[0]}
+                for t, cells in per.items()} for c, per in rounds.items()}
+
+
+def report(results: dict) -> str:
+    lines = ["| concurrency | target | TTFT p50 (ms) | TTFT p99 (ms) | req/s | p50 − nginx (ms) "
+             "| req/s vs nginx | proxy CPU (µs/req) |", "|---|---|---|---|---|---|---|---|"]
+    for c, per in results.items():
+        base = per.get("nginx")
+        for t, m in per.items():
+            d = f"{m['p50_ms'] - base['p50_ms']:+.3f}" if base else "–"
+            ratio = f"{m['rps'] / base['rps']:.0%}" if base else "–"
+            lines.append(f"| {c} | {t} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | "
+                         f"{m['rps']:.0f} | {d} | {ratio} | {m['proxy_cpu_us']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.bench_overhead",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,32",
+                   type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--requests", type=int, default=2000, help="measured requests per cell")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
+    p.add_argument("--tokens", type=int, default=1, help="SSE content events per response")
+    p.add_argument("--no-nginx", action="store_true")
+    p.add_argument("--out", help="save results and settings as JSON")
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    results = asyncio.run(measure(args))
+    print(report(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "settings": vars(args), "machine": {"cpus": os.cpu_count(),
+                                                "python": platform.python_version(),
+                                                "platform": platform.platform()},
+            "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
