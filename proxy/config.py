@@ -145,7 +145,21 @@ TOP = {
     "retries": Key(int, 1, non_negative),     # other upstreams tried before the first byte
     "limits": Key(dict, dict, nested={
         "max_body_bytes": Key(int, 16 * 1024 * 1024, positive),
+        "max_header_bytes": Key(int, 8190, positive),     # one header field; larger → 400
+        "max_line_bytes": Key(int, 8190, positive),       # request line; longer → 400
+        "max_headers": Key(int, 128, positive),           # header count; more → 400
+        "body_timeout_s": Key((int, float), 30.0, positive),   # slow (slowloris) body → 408
+        "max_json_depth": Key(int, 64, positive),         # deeper request JSON → 400
+        "validate_fields": Key(bool, True),               # 400 for wrong types of core fields
     }),
+    # hardening (proxy/health.py, proxy/auth.py): validated in full by their own specs
+    "health": Key(dict, dict),
+    "auth": Key(dict, None),
+    "admin_listen": Key(dict, None, nested={
+        "host": Key(str, "127.0.0.1"),
+        "port": Key(int, REQUIRED, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
+    }),
+    "shutdown_timeout_s": Key((int, float), 30.0, positive),   # SIGTERM: in-flight deadline
 }
 
 
@@ -177,6 +191,9 @@ def validate(raw: Any) -> dict:
     """Validate a whole config mapping (plugins are checked when they are built)."""
     cfg = check(raw, TOP)
     cfg["upstreams"] = check_upstreams(cfg["upstreams"], cfg["timeouts"])
+    from . import auth, health        # their modules own their key specs
+    cfg["health"] = check(cfg["health"], health.SPEC, "health")
+    cfg["auth"] = auth.validate(cfg["auth"])
     if not cfg["upstreams"] and cfg["bundled"] is None:
         raise ConfigError("upstreams", "required (a list of {name, url}), or `bundled:`")
     for i, item in enumerate(cfg["plugins"]):

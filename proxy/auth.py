@@ -1,0 +1,169 @@
+"""API keys, per-key rate limits and per-key upstream credentials.
+
+Keys are stored only as SHA-256 digests (a config may give `sha256:<hex>` so the plain key
+never sits in a file). A presented key is hashed and compared against every stored digest
+with `hmac.compare_digest`, so neither the match nor its position leaks through timing.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from dataclasses import dataclass, field
+
+from .config import ConfigError, Key, check, positive
+from .errors import HTTPError
+
+RATE = {
+    "requests_per_minute": Key((int, float), 60.0, positive),
+    "burst": Key(int, None, positive),     # bucket size; default: 10 seconds' worth, >= 1
+}
+
+KEY = {
+    "key": Key(str),                                # plain, or "sha256:<64 hex digits>"
+    "name": Key(str, None),                         # shown in logs instead of the key
+    "priority": Key(int, None),                     # admission priority for this key
+    "rate_limit": Key(dict, None, nested=RATE),
+    "upstream_headers": Key(dict, dict),            # sent upstream for this key (credentials)
+}
+
+SPEC = {
+    "api_keys": Key(list),
+    "forward_auth": Key(bool, False),               # pass the client's Authorization upstream
+    "rate_limit": Key(dict, None, nested=RATE),     # default for keys without their own
+}
+
+
+@dataclass
+class ApiKey:
+    digest: bytes
+    name: str
+    priority: int | None
+    upstream_headers: dict[str, str]
+    bucket: "TokenBucket | None" = None
+
+    @property
+    def replaced(self) -> frozenset[str]:
+        """Client headers dropped because this key sends its own."""
+        return frozenset(k.lower() for k in self.upstream_headers)
+
+
+@dataclass
+class TokenBucket:
+    rate: float                # tokens per second
+    size: float
+    tokens: float = field(default=0.0)
+    at: float = field(default_factory=time.monotonic)
+
+    def take(self) -> float:
+        """0 when a request may go now, else the seconds until one may."""
+        now = time.monotonic()
+        self.tokens = min(self.size, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+def digest_of(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _bucket(rate_cfg: dict | None) -> TokenBucket | None:
+    if rate_cfg is None:
+        return None
+    per_s = rate_cfg["requests_per_minute"] / 60.0
+    size = rate_cfg["burst"] or max(1, math.ceil(per_s * 10))
+    return TokenBucket(per_s, size, tokens=size)
+
+
+def parse_keys(cfg: dict) -> list[ApiKey]:
+    """Validate `auth.api_keys` entries (a string or a mapping) into ApiKey records."""
+    keys = []
+    for i, item in enumerate(cfg["api_keys"]):
+        path = f"auth.api_keys[{i}]"
+        entry = check({"key": item} if isinstance(item, str) else item, KEY, path)
+        raw = entry["key"]
+        if raw.startswith("sha256:"):
+            hexpart = raw[len("sha256:"):]
+            try:
+                digest = bytes.fromhex(hexpart)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise ConfigError(f"{path}.key", "sha256: must be followed by 64 hex digits")
+        elif len(raw) < 8:
+            raise ConfigError(f"{path}.key", "too short (at least 8 characters)")
+        else:
+            digest = digest_of(raw)
+        keys.append(ApiKey(digest, entry["name"] or f"key{i}", entry["priority"],
+                           {str(k): str(v) for k, v in entry["upstream_headers"].items()},
+                           _bucket(entry["rate_limit"] or cfg["rate_limit"])))
+    if not keys:
+        raise ConfigError("auth.api_keys", "must list at least one key")
+    return keys
+
+
+def validate(raw) -> dict | None:
+    if raw is None:
+        return None
+    cfg = check(raw, SPEC, "auth")
+    parse_keys(cfg)
+    return cfg
+
+
+class Auth:
+    """Checks `Authorization: Bearer <key>` on /v1/ requests; None config = open gateway."""
+
+    def __init__(self, cfg: dict | None, old: "Auth | None" = None):
+        self.cfg = cfg
+        self.keys = parse_keys(cfg) if cfg else []
+        self.forward = cfg["forward_auth"] if cfg else True
+        if old is not None:       # a reload keeps rate-limit state of unchanged keys
+            before = {k.digest: k.bucket for k in old.keys}
+            for k in self.keys:
+                b = before.get(k.digest)
+                if b is not None and k.bucket is not None and (b.rate, b.size) == (
+                        k.bucket.rate, k.bucket.size):
+                    k.bucket = b
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def identify(self, headers) -> ApiKey | None:
+        if not self.keys:
+            return None
+        values = headers.getall("Authorization", [])
+        if len(values) != 1:
+            raise _unauthorized("missing API key (send Authorization: Bearer <key>)"
+                                if not values else "more than one Authorization header")
+        scheme, _, token = values[0].partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise _unauthorized("malformed Authorization header (expected Bearer <key>)")
+        presented = digest_of(token)
+        found = None
+        for k in self.keys:         # no early exit: same work whichever key matches
+            if hmac.compare_digest(presented, k.digest):
+                found = k
+        if found is None:
+            raise _unauthorized("invalid API key")
+        return found
+
+    @staticmethod
+    def limit(key: ApiKey) -> None:
+        if key.bucket is None:
+            return
+        wait = key.bucket.take()
+        if wait:
+            raise HTTPError(429, f"rate limit exceeded for API key {key.name!r}",
+                            code="rate_limit_exceeded",
+                            headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+
+def _unauthorized(message: str) -> HTTPError:
+    return HTTPError(401, message, code="invalid_api_key",
+                     headers={"WWW-Authenticate": 'Bearer realm="prefixgate"'})

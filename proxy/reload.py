@@ -1,0 +1,167 @@
+"""Building the plugin chain, and swapping it (with upstreams and settings) on a reload.
+
+A reload keeps every plugin whose settings did not change (its state — prefix tables, rate
+counters — survives) and builds only the changed ones. Plugins register Prometheus metrics
+and connect hooks on the gateway, so each plugin's registrations are recorded: a new
+registry then carries over the kept plugins' collectors and the changed ones' replacements
+without "duplicated timeseries" clashes. Requests already running hold the chain they
+started with (`ctx.state["chain"]`); plugins dropped by a reload are closed once those finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from . import plugin as plugins
+from .config import ConfigError
+
+log = logging.getLogger("prefixgate.reload")
+
+
+class TrackingRegistry(CollectorRegistry):
+    """A registry that remembers who registered what: `base` (the gateway) or `recording`."""
+
+    def __init__(self):
+        super().__init__()
+        self.base: list = []
+        self.recording: list | None = None
+
+    def register(self, collector) -> None:
+        super().register(collector)
+        (self.recording if self.recording is not None else self.base).append(collector)
+
+
+def _key(item) -> str:
+    return json.dumps(item, sort_keys=True, default=str)
+
+
+def _owned(gw) -> dict:
+    if not hasattr(gw, "_plugin_owned"):
+        gw._plugin_owned = {}       # plugin -> (collectors, connect hooks)
+        gw._plugin_keys = []        # [(config key, plugin)] in chain order
+    return gw._plugin_owned
+
+
+def build_chain(gw, items: list, reuse: dict | None = None) -> plugins.Chain:
+    """The chain for `items`; plugins in `reuse` ({key: [plugin]}) are kept as they are."""
+    owned = _owned(gw)
+    entries = []
+    for i, item in enumerate([*items, "round_robin"]):
+        if i == len(items) and any(hasattr(p, "score") for _, p in entries):
+            break               # the fallback router only when no scorer is configured
+        key = _key(item)
+        kept = (reuse or {}).get(key)
+        if kept:
+            p = kept.pop(0)
+            cols, hooks = owned[p]
+            gw.registry.recording = []        # still the plugin's, not the gateway's
+            try:
+                for c in cols:
+                    gw.registry.register(c)
+            finally:
+                gw.registry.recording = None
+            gw.on_connect.extend(hooks)
+        else:
+            p = _build_one(gw, i, item)
+        entries.append((key, p))
+    gw._plugin_keys = entries
+    chain = plugins.Chain([p for _, p in entries])
+    chain.active = 0            # requests running on this chain
+    return chain
+
+
+def _build_one(gw, i: int, item):
+    name, cfg = (item, {}) if isinstance(item, str) else next(iter(item.items()))
+    registry = gw.registry
+    registry.recording = cols = []
+    n_hooks = len(gw.on_connect)
+    try:
+        p = plugins.resolve(name)(cfg or {}, gw)
+    except ConfigError as e:
+        raise e.under(f"plugins[{i}].{name}") from None
+    finally:
+        registry.recording = None
+    _owned(gw)[p] = (cols, gw.on_connect[n_hooks:])
+    return p
+
+
+async def apply(gw, cfg: dict) -> None:
+    """Switch `gw` to the validated config `cfg`, or raise ConfigError and change nothing."""
+    from .auth import Auth
+    owned = _owned(gw)
+    old_chain, old_registry, old_hooks = gw.chain, gw.registry, list(gw.on_connect)
+    old_entries = list(gw._plugin_keys)
+    new_auth = Auth(cfg["auth"], old=gw.auth)
+    plugin_hooks = {id(h) for _, hooks in owned.values() for h in hooks}
+    reuse: dict = {}
+    for key, p in old_entries:
+        reuse.setdefault(key, []).append(p)
+
+    registry = TrackingRegistry()
+    for c in old_registry.base:
+        registry.register(c)
+    gw.registry = registry
+    gw.on_connect[:] = [h for h in old_hooks if id(h) not in plugin_hooks]
+    try:
+        chain = build_chain(gw, cfg["plugins"], reuse)
+    except Exception:
+        gw.registry, gw.on_connect[:] = old_registry, old_hooks
+        gw._plugin_keys = old_entries
+        raise
+    kept = {id(p) for _, p in gw._plugin_keys}
+    fresh = [p for _, p in gw._plugin_keys if p not in [q for _, q in old_entries]]
+    dropped = [p for _, p in old_entries if id(p) not in kept]
+
+    for p in fresh:
+        if hasattr(p, "start"):
+            await p.start()
+    gw.chain = chain
+    gw.auth = new_auth
+    gw.retries = cfg["retries"]
+    gw.health.reconfigure(cfg["health"])
+    await _apply_upstreams(gw, cfg["upstreams"])
+    _warn_restart_only(gw.config, cfg)
+    gw.config = cfg
+    asyncio.get_running_loop().create_task(_retire(gw, old_chain, dropped))
+    log.warning("config reloaded: %d upstream(s), %d plugin(s) (%d rebuilt)",
+                len(gw.upstreams), len(chain.plugins), len(fresh))
+
+
+async def _apply_upstreams(gw, configs: list[dict]) -> None:
+    await gw.set_upstreams(configs)
+    by_name = {c["name"]: c for c in configs}
+    for up in gw.upstreams:           # kept pools take the new limits, timeouts and headers
+        c = by_name.get(up.name)
+        if c is not None and c != up.cfg:
+            up.cfg = c
+            up.max_inflight = c["max_inflight"]
+            up.timeouts = c["timeouts"]
+            up.extra_headers = {str(k): str(v) for k, v in c["headers"].items()}
+            if hasattr(up, "replaced_headers"):
+                up.replaced_headers = up.replaced_headers | {k.lower() for k in up.extra_headers}
+
+
+def _warn_restart_only(old: dict, new: dict) -> None:
+    for key in ("listen", "admin_listen", "bundled", "model"):
+        if old.get(key) != new.get(key):
+            log.warning("config key %r changed: it takes effect after a restart", key)
+    for key in ("max_body_bytes", "max_header_bytes", "max_line_bytes", "max_headers"):
+        if old["limits"][key] != new["limits"][key]:
+            log.warning("limits.%s changed: it takes effect after a restart", key)
+
+
+async def _retire(gw, chain, dropped: list, poll_s: float = 0.1) -> None:
+    """Close the plugins a reload dropped once no request runs on their chain."""
+    while chain.active:
+        await asyncio.sleep(poll_s)
+    owned = _owned(gw)
+    for p in dropped:
+        owned.pop(p, None)
+        if hasattr(p, "close"):
+            try:
+                await p.close()
+            except Exception:
+                log.exception("closing plugin %s after a reload failed", p.name)
