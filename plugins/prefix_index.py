@@ -1,0 +1,101 @@
+"""Which prefix blocks were sent to which upstream: a memory-bounded LRU index.
+
+One dict maps a block hash to a bit mask of the upstreams that hold it, so matching a chain
+against every upstream at once costs one lookup per matched block, however many upstreams
+there are. Each upstream also keeps its own LRU order of at most `capacity` blocks (set it to
+the backend's KV block count): the index forgets what the backend's cache has most likely
+evicted, and memory stays bounded at `capacity × upstreams` entries.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._holders: dict[int, int] = {}                 # block hash -> bit mask of upstreams
+        self._lru: dict[str, OrderedDict[int, None]] = {}  # upstream -> its blocks, oldest first
+        self._bit: dict[str, int] = {}
+        self._free_bits: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def size(self, name: str) -> int:
+        lru = self._lru.get(name)
+        return len(lru) if lru is not None else 0
+
+    def match(self, chain: list[int]) -> dict[str, int]:
+        """Leading blocks of `chain` each upstream holds (only upstreams with at least one)."""
+        if not chain or not self._holders:
+            return {}
+        holders = self._holders
+        alive = holders.get(chain[0], 0)
+        if not alive:
+            return {}
+        ends: dict[int, int] = {}
+        i = 1
+        for i in range(1, len(chain)):
+            mask = holders.get(chain[i], 0)
+            dropped = alive & ~mask
+            if dropped:
+                ends[dropped] = i
+                alive &= mask
+                if not alive:
+                    break
+        else:
+            i = len(chain)
+        if alive:
+            ends[alive] = i
+        out = {}
+        for name, bit in self._bit.items():
+            for mask, n in ends.items():
+                if mask >> bit & 1:
+                    out[name] = n
+                    break
+        return out
+
+    def insert(self, name: str, chain: list[int]) -> None:
+        """Record that `name` has computed `chain` (most recently used)."""
+        bit = self._bit.get(name)
+        if bit is None:
+            bit = self._add(name)
+        flag = 1 << bit
+        lru = self._lru[name]
+        holders = self._holders
+        for h in chain:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders[h] = holders.get(h, 0) | flag
+        while len(lru) > self.capacity:
+            self._forget(lru.popitem(last=False)[0], flag)
+
+    def remove(self, name: str) -> None:
+        """Forget an upstream that left (its bit is reused by the next one to join)."""
+        bit = self._bit.pop(name, None)
+        if bit is None:
+            return
+        flag = 1 << bit
+        for h in self._lru.pop(name):
+            self._forget(h, flag)
+        self._free_bits.append(bit)
+
+    def retain(self, names) -> None:
+        for name in [n for n in self._bit if n not in names]:
+            self.remove(name)
+
+    def _add(self, name: str) -> int:
+        bit = self._free_bits.pop() if self._free_bits else len(self._bit)
+        self._bit[name] = bit
+        self._lru[name] = OrderedDict()
+        return bit
+
+    def _forget(self, h: int, flag: int) -> None:
+        mask = self._holders[h] & ~flag
+        if mask:
+            self._holders[h] = mask
+        else:
+            del self._holders[h]

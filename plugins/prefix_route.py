@@ -1,0 +1,298 @@
+"""Plugin `prefix_route`: send a request where its prefix is most likely already cached.
+
+A scorer (DESIGN.md §2): it returns `{upstream: score}` and composes with load scorers such
+as `least_inflight`. Two policies:
+
+`chwbl` — consistent hashing with bounded loads on the hash of the prompt's first
+  `prefix_blocks` blocks. Stateless: gateway replicas that see the same upstream names agree
+  without talking to each other. Score 1 for the choice, 0 for the rest.
+
+`cache_aware` — an LRU index of the blocks sent to each upstream (`prefix_index.py`); score =
+  matched leading blocks / the prompt's blocks, among upstreams that are not overloaded. The
+  knobs, in the spirit of SGLang's cache-aware router:
+
+  balance_abs_threshold, balance_rel_threshold
+      An upstream is *overloaded* when its load exceeds the lightest upstream's by more than
+      `balance_abs_threshold` requests AND by more than `balance_rel_threshold` times. Cache
+      hits are not worth queueing behind that many requests; both must hold so that light
+      loads (1 vs 3) never count as imbalance and big fleets use the relative test.
+  cache_threshold
+      When the best match is below this fraction of the prompt, the request has no real home
+      (only a short shared head matches) and goes to the least loaded upstream, which spreads
+      new prefix families instead of piling them where a common preamble was seen.
+
+Load is the gateway's in-flight count per upstream or, with `poll_metrics_s`, the backends'
+own running + waiting counts (`proxy/load_poll.py`), which all gateway replicas see alike.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+
+from prefixgate.proxy.config import Key, non_negative, one_of, positive
+from prefixgate.proxy.load_poll import LoadPoller
+from prefixgate.proxy.plugin import Plugin
+
+from .hash_ring import HashRing
+from .prefix_index import PrefixIndex
+from .prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain, prompt_token_ids,
+                          render, render_parts, tail_hash)
+
+
+def _at_least_one(v):
+    return None if v >= 1 else "must be >= 1"
+
+
+def _fraction(v):
+    return None if 0 <= v <= 1 else "must be between 0 and 1"
+
+
+SPEC = {
+    "policy": Key(str, "chwbl", one_of("chwbl", "cache_aware")),
+    "block_tokens": Key(int, 16, positive),       # vLLM's default KV block size
+    "block_bytes": Key(int, 64, positive),        # text fallback: ~16 tokens of English
+    "max_blocks": Key(int, 512, positive),        # blocks hashed per request (8k tokens)
+    "prefix_blocks": Key(int, 4, positive),       # chwbl: K, the blocks that make the key
+    "load_factor": Key((int, float), 1.25, lambda v: None if v > 1 else "must be > 1"),
+    "virtual_nodes": Key(int, 160, positive),     # per unit of upstream weight
+    "index_capacity": Key(int, 65536, positive),  # cache_aware: blocks remembered per upstream
+    "cache_threshold": Key((int, float), 0.5, _fraction),
+    "balance_abs_threshold": Key((int, float), 8, non_negative),
+    "balance_rel_threshold": Key((int, float), 1.5, _at_least_one),
+    "poll_metrics_s": Key((int, float), 0, non_negative),   # 0: gateway in-flight counts only
+    "kv_saturation": Key((int, float), 0.98, _fraction),     # polled KV usage that means "full"
+    "dynamic_cut": Key(str, "auto", one_of("auto", "always", "never")),
+    "weight": Key((int, float), 1.0, positive),
+}
+
+
+@dataclass(slots=True)
+class Keys:
+    mode: str                 # "tokens" or "text"
+    chain: list[int]          # chained block hashes, at most max_blocks
+    short: int | None         # a key for a prompt without one full block (None: no key)
+    cut: bool                 # the text chain stops at a dynamic value
+
+
+class PrefixRoute(Plugin):
+    name = "prefix_route"
+    spec = SPEC
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        c = self.cfg
+        self.policy = c["policy"]
+        self.index = PrefixIndex(c["index_capacity"]) if self.policy == "cache_aware" else None
+        self.poller = LoadPoller(gw, c["poll_metrics_s"]) if c["poll_metrics_s"] else None
+        self._members = None          # the gw.upstreams list the ring was built from
+        self._ring: HashRing | None = None
+        self._weights: dict[str, float] = {}
+        self._spans: DynamicSpans | None = None
+        self._normalized: bool | None = None
+        self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
+                                 "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
+                                 "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
+        self.blocks = Counter("prefixgate_route_prefix_blocks", "Prompt blocks routed (total) "
+                              "and, for cache_aware, found in the chosen upstream's index "
+                              "(matched)", ["kind"], registry=gw.registry)
+        gw.registry.register(_RouteCollector(self))
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.poller is not None:
+            await self.poller.start()
+
+    async def close(self) -> None:
+        if self.poller is not None:
+            await self.poller.close()
+
+    # --- load ----------------------------------------------------------------------------------
+    def load(self, up) -> float:
+        return self.poller.load(up) if self.poller is not None else float(up.inflight)
+
+    def saturated(self, up) -> bool:
+        if self.poller is None:
+            return False
+        kv = self.poller.kv_usage(up)
+        return kv is not None and kv >= self.cfg["kv_saturation"]
+
+    # --- keys ----------------------------------------------------------------------------------
+    def keys(self, ctx) -> Keys:
+        """The request's prefix keys, computed once per request."""
+        keys = ctx.state.get(self.name)
+        if keys is None:
+            keys = ctx.state[self.name] = self._compute_keys(ctx)
+        return keys
+
+    def _compute_keys(self, ctx) -> Keys:
+        c = self.cfg
+        spans = self._dynamic_spans(ctx)
+        tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
+        if tokens is not None and not (spans and _has_dynamic(ctx.body, spans)):
+            bt = c["block_tokens"]
+            if ctx.block_hashes is not None and self._hashed_upstream_with(ctx) == bt:
+                chain = ctx.block_hashes[:c["max_blocks"]]     # already hashed upstream of us
+            else:
+                chain = block_hash_chain(tokens, bt, c["max_blocks"])
+                ctx.block_hashes = chain
+                ctx.state["block_tokens"] = bt
+            short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
+            return Keys("tokens", chain, short, False)
+        # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
+        data, cut = render(ctx.body, spans)
+        chain = byte_hash_chain(data, c["block_bytes"], c["max_blocks"])
+        short = tail_hash([], data) if not chain and data else None
+        return Keys("text", chain, short, cut)
+
+    def _hashed_upstream_with(self, ctx) -> int | None:
+        """Block size of the chain already on the context (set by `prerender`, or by the
+        fleet simulator in ctx.state), so it is not hashed twice."""
+        bt = ctx.state.get("block_tokens")
+        if bt is None:
+            for p in getattr(getattr(self.gw, "chain", None), "plugins", []):
+                if getattr(p, "name", "") == "prerender":
+                    return p.cfg.get("block_tokens")
+        return bt
+
+    def _dynamic_spans(self, ctx) -> DynamicSpans | None:
+        mode = self.cfg["dynamic_cut"]
+        if mode == "never":
+            return None
+        if mode == "auto":
+            if self._normalized is None:
+                self._normalized = self._normalize_runs_first()
+            opted_out = ctx.headers.get("x-prefixgate-normalize", "").strip().lower() == "off"
+            if self._normalized and not opted_out:
+                return None
+        if self._spans is None:
+            self._spans = DynamicSpans()
+        return self._spans
+
+    def _normalize_runs_first(self) -> bool:
+        plugins = getattr(getattr(self.gw, "chain", None), "plugins", [])
+        for p in plugins:
+            if p is self:
+                return False
+            if getattr(p, "name", "") == "normalize":
+                return True
+        return False
+
+    # --- scoring -------------------------------------------------------------------------------
+    def score(self, ctx, upstreams):
+        self._sync_members()
+        keys = self.keys(ctx)
+        if not keys.chain and keys.short is None:
+            return self._least_loaded(ctx, upstreams, "nokey")
+        if self.policy == "chwbl":
+            return self._score_chwbl(ctx, keys, upstreams)
+        if not keys.chain:
+            return self._least_loaded(ctx, upstreams, "nokey")
+        return self._score_cache_aware(ctx, keys, upstreams)
+
+    def _score_chwbl(self, ctx, keys: Keys, upstreams):
+        chain = keys.chain
+        key = chain[min(self.cfg["prefix_blocks"], len(chain)) - 1] if chain else keys.short
+        by_name = {u.name: u for u in upstreams}
+        loads = {u.name: self.load(u) for u in upstreams}
+        eligible = ((lambda n: not self.saturated(by_name[n])) if self.poller is not None
+                    else (lambda n: True))
+        chosen, home = self._ring.choose(key, loads, self._weights, self.cfg["load_factor"],
+                                         eligible)
+        outcome = "home" if chosen == home else "spill"
+        ctx.route_info.update(policy="chwbl", key=f"{key:016x}", home=home, outcome=outcome,
+                              blocks=len(chain), mode=keys.mode)
+        return {by_name[chosen]: 1.0}
+
+    def _score_cache_aware(self, ctx, keys: Keys, upstreams):
+        c = self.cfg
+        n = len(keys.chain)
+        matched = self.index.match(keys.chain)
+        loads = {u: self.load(u) for u in upstreams}
+        lightest = min(loads.values())
+        abs_t, rel_t = c["balance_abs_threshold"], c["balance_rel_threshold"]
+        eligible = [u for u in upstreams
+                    if not (loads[u] - lightest > abs_t and loads[u] > lightest * rel_t)
+                    and not self.saturated(u)] or upstreams
+        best = max(matched.get(u.name, 0) for u in eligible)
+        ctx.route_info.update(policy="cache_aware", blocks=n, best_match=best, mode=keys.mode)
+        if best / n >= c["cache_threshold"]:
+            ctx.route_info["outcome"] = "cache"
+            # ties in match go to the lighter upstream (then at random, in the gateway)
+            return {u: matched.get(u.name, 0) / n - 1e-9 * loads[u] for u in eligible}
+        outcome = "balance" if len(eligible) < len(upstreams) else "new"
+        return self._least_loaded(ctx, eligible, outcome, loads)
+
+    def _least_loaded(self, ctx, upstreams, outcome, loads=None):
+        loads = loads or {u: self.load(u) for u in upstreams}
+        lightest = min(loads[u] for u in upstreams)
+        ctx.route_info.setdefault("policy", self.policy)
+        ctx.route_info["outcome"] = outcome
+        return {u: 1.0 for u in upstreams if loads[u] == lightest}
+
+    def _sync_members(self) -> None:
+        """Rebuild the ring (and prune the index) when the upstream set changed."""
+        ups = self.gw.upstreams
+        if ups is self._members:
+            return
+        self._members = ups
+        self._weights = {u.name: float(u.cfg.get("weight", 1.0)) for u in ups}
+        self._ring = HashRing(sorted(self._weights.items()), self.cfg["virtual_nodes"])
+        if self.index is not None:
+            self.index.retain(self._weights)
+
+    # --- after the choice ----------------------------------------------------------------------
+    async def admit(self, ctx) -> None:
+        """Called once the gateway has chosen: record the choice (before any byte returns, so
+        a burst of one prefix family already sees where its first member went)."""
+        self.record(ctx)
+
+    def on_first_byte(self, ctx) -> None:
+        if ctx.state.get("prefix_route_recorded") is not ctx.upstream:
+            self.record(ctx)        # a failover moved the request: it is cached there now
+
+    def record(self, ctx, up=None) -> None:
+        up = up or ctx.upstream
+        if up is None:
+            return
+        keys = self.keys(ctx)
+        ctx.state["prefix_route_recorded"] = up
+        outcome = ctx.route_info.get("outcome", "single")
+        self.decisions.labels(self.policy, outcome).inc()
+        self.blocks.labels("total").inc(len(keys.chain))
+        header = f"{self.policy}; outcome={outcome}; blocks={len(keys.chain)}"
+        if "key" in ctx.route_info:
+            header += f"; key={ctx.route_info['key']}; home={ctx.route_info['home']}"
+        if self.index is not None and keys.chain:
+            matched = self.index.match(keys.chain).get(up.name, 0)
+            self.blocks.labels("matched").inc(matched)
+            header += f"; matched={matched}"
+            self.index.insert(up.name, keys.chain)
+        ctx.response_headers["x-prefixgate-route"] = header
+
+
+def _has_dynamic(body: dict, spans: DynamicSpans) -> bool:
+    return any(spans.first(p) >= 0 for p in render_parts(body))
+
+
+class _RouteCollector:
+    """Index size and load per upstream, read at scrape time."""
+
+    def __init__(self, plugin: PrefixRoute):
+        self.plugin = plugin
+
+    def collect(self):
+        p = self.plugin
+        load = GaugeMetricFamily("prefixgate_route_upstream_load", "Load the router sees per "
+                                 "upstream (requests)", labels=["upstream"])
+        for u in p.gw.upstreams:
+            load.add_metric([u.name], p.load(u))
+        yield load
+        if p.index is not None:
+            size = GaugeMetricFamily("prefixgate_route_index_blocks", "Prefix blocks the "
+                                     "cache_aware index remembers per upstream", labels=["upstream"])
+            for u in p.gw.upstreams:
+                size.add_metric([u.name], p.index.size(u.name))
+            yield size
