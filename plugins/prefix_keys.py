@@ -24,8 +24,11 @@ TEXT_ROOT = 0x7072_6566_6978_7478  # parent of a text chain's first block: never
 _h64 = xxhash.xxh64_intdigest
 
 
-def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None) -> list[int]:
-    """Chained xxh64 hashes of the full `block_tokens`-sized blocks of `tokens`."""
+def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
+                     parent: int = ROOT_HASH) -> list[int]:
+    """Chained xxh64 hashes of the full `block_tokens`-sized blocks of `tokens`.
+
+    `parent` continues a chain: the hash of the block just before `tokens[0]`."""
     n = len(tokens) // block_tokens
     if max_blocks is not None:
         n = min(n, max_blocks)
@@ -34,7 +37,7 @@ def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None) -
     data = memoryview(array("q", tokens[:n * block_tokens]).tobytes())
     step = 8 * block_tokens
     out = []
-    h = ROOT_HASH
+    h = parent
     for i in range(0, n * step, step):
         h = _h64(h.to_bytes(8, "little") + data[i:i + step])
         out.append(h)
