@@ -31,6 +31,10 @@ class Behaviour:
     fail_after: int = 2          # events sent before "reset_after" closes the connection
     status: int = 500            # status for fail="status"
     record: bool = True          # keep request bodies (off for long benchmarks)
+    # opt-in prefill model: None = off (no extra delay, no cache counters); True/False = a
+    # backend with/without a prefix cache, exposing vLLM's prefix-cache counters
+    prefix_cache: bool | None = None
+    prefill_per_token: float = 0.0   # seconds per uncached prompt token, added to first_delay
 
 
 @dataclass
@@ -42,6 +46,7 @@ class StandIn:
     completed: int = 0
     running: int = 0
     url: str = ""
+    cache: "PrefixCacheModel" = field(default_factory=lambda: PrefixCacheModel())
     _peers: set = field(default_factory=set)      # client (host, port): one per connection
     _runner: web.AppRunner | None = None
 
@@ -84,6 +89,9 @@ class StandIn:
             await asyncio.sleep(3600)
         if b.fail == "garbage":
             return web.Response(body=b"\x00not json at all", content_type="text/plain")
+        if b.prefix_cache is not None:
+            uncached = self.cache.lookup(_prompt_text(body), use=b.prefix_cache)
+            b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
         self.running += 1
         try:
             if body.get("stream"):
@@ -146,10 +154,41 @@ class StandIn:
         return web.Response(text="ok")
 
     async def metrics(self, request):
+        cache = ""
+        if self.behaviour.prefix_cache is not None:
+            cache = (f"vllm:prefix_cache_queries_total {self.cache.queries}\n"
+                     f"vllm:prefix_cache_hits_total {self.cache.hits}\n")
         return web.Response(text=(
             f"vllm:num_requests_running {self.running}\n"
             f"vllm:num_requests_waiting 0\n"
-            f"vllm:kv_cache_usage_perc 0.0\n"))
+            f"vllm:kv_cache_usage_perc 0.0\n" + cache))
+
+
+@dataclass
+class PrefixCacheModel:
+    """Prompt prefixes remembered in blocks of 16 'tokens' (4 characters each), chained like
+    vLLM's block hashes: a block hits only when every block before it hit too."""
+    block_chars: int = 64
+    queries: int = 0             # prompt tokens looked up
+    hits: int = 0                # ... and found
+    _seen: set = field(default_factory=set)
+
+    def lookup(self, text: str, use: bool) -> int:
+        """Count the lookup, remember the blocks; return the prompt tokens left to compute."""
+        tokens = max(1, len(text) // 4)
+        self.queries += tokens
+        hit_chars, parent, hitting = 0, 0, use
+        for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
+            parent = hash((parent, text[start:start + self.block_chars]))
+            if hitting and parent in self._seen:
+                hit_chars += self.block_chars
+            else:
+                hitting = False
+            if use:
+                self._seen.add(parent)
+        hit = min(hit_chars // 4, tokens - 1)    # the last token is always computed
+        self.hits += hit
+        return tokens - hit
 
 
 def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
@@ -162,6 +201,13 @@ def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
     return {"id": rid, "object": "text_completion", "created": 0, "model": model,
             "choices": [{"index": 0, "text": "" if i is None else f"tok{i} ",
                          "finish_reason": finish}]}
+
+
+def _prompt_text(body: dict) -> str:
+    if "messages" in body:
+        return "".join(f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
+                       if isinstance(m, dict)) + json.dumps(body.get("tools") or "")
+    return str(body.get("prompt", ""))
 
 
 def _prompt_len(body: dict) -> int:

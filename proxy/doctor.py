@@ -1,0 +1,160 @@
+"""`prefixgate doctor URL`: the TTFT troubleshooting order, automated.
+
+    prefixgate doctor http://127.0.0.1:8000 [--request body.json [--request other.json]]
+                      [--metrics-url http://engine:8000] [--tokenizer DIR] [--json]
+
+(a) client vs server timing and the inter-chunk arrival pattern (buffering, compression);
+(b) the same request twice: does the prefix cache work? (c) per-request values in the
+prompt's head and where two requests diverge; (d) KV usage and preemptions from /metrics;
+(e) a verdict per finding, with the fix. Exit status: 0 clean, 1 problems found, 2 could not
+run (unreachable URL, unreadable request file).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import time
+
+import aiohttp
+
+from . import doctor_checks as checks
+from . import doctor_metrics as pm
+from .bench import auth_headers, base_url, pick_model, TargetError
+from .bench_archive import snapshot
+from .bench_prompts import load_tokenizer, words
+from .doctor_prompt import divergence, dynamic_fields
+from .doctor_trace import trace_stream
+
+MARK = {"PASS": "ok  ", "INFO": "info", "WARN": "warn", "FAIL": "FAIL", "SKIP": "skip"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixgate doctor", description="Diagnose what adds to "
+                                "the TTFT of an OpenAI-compatible server (or a proxy in front "
+                                "of one). Exit 0: clean, 1: problems found, 2: could not run.")
+    p.add_argument("url", help="base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    p.add_argument("--request", action="append", default=[], metavar="FILE.json",
+                   help="a real chat request body to probe and check (twice: also compare the "
+                        "two); default: a built-in probe")
+    p.add_argument("--model", help="model to use (default: the request's, else /v1/models)")
+    p.add_argument("--metrics-url", help="where the engine's /metrics is (default: URL)")
+    p.add_argument("--tokenizer", help="the model's tokenizer dir (or `demo`): offsets in tokens")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens for the streaming check")
+    p.add_argument("--api-key", help="Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if len(args.request) > 2:
+        print("prefixgate doctor: give --request at most twice", file=sys.stderr)
+        return 2
+    try:
+        bodies = [load_request(path) for path in args.request]
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (OSError, ValueError) as e:
+        print(f"prefixgate doctor: {e}", file=sys.stderr)
+        return 2
+    try:
+        findings = asyncio.run(diagnose(args, bodies, tokenizer))
+    except TargetError as e:
+        print(f"prefixgate doctor: {e}", file=sys.stderr)
+        return 2
+    print_findings(findings, args)
+    return 1 if any(f.status == "FAIL" for f in findings) else 0
+
+
+def load_request(path: str) -> dict:
+    with open(path) as f:
+        try:
+            body = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        raise ValueError(f"{path}: expected a chat completion request body with `messages`")
+    return body
+
+
+def probe_body() -> dict:
+    """A ~1500-token system prompt and a short question: long enough for prefill to show."""
+    import random
+    system = "You are a careful assistant. Follow these rules. " + words(random.Random(7), 1400)
+    return {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Summarize the rules in one sentence."}]}
+
+
+def cold(body: dict) -> dict:
+    """`body` with a fresh marker at its very head, so its first send cannot hit the cache."""
+    body = json.loads(json.dumps(body))
+    first = body["messages"][0]
+    if isinstance(first.get("content"), str):
+        first["content"] = f"[doctor {secrets.token_hex(6)}] " + first["content"]
+    return body
+
+
+async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
+    base, headers = base_url(args.url), auth_headers(args.api_key)
+    metrics_base = base_url(args.metrics_url) if args.metrics_url else base
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+        async def metrics():
+            return pm.parse(text) if (text := await snapshot(
+                session, metrics_base, "/metrics", headers)) is not None else None
+        asked = args.model or (bodies[0].get("model") if bodies else None)
+        model, _ = await pick_model(session, base, headers, asked)
+        url = base + "/v1/chat/completions"
+        m_start = await metrics()
+        probe = cold(bodies[0] if bodies else probe_body())
+        short = {**probe, "model": model, "max_tokens": 1, "stream": True}
+        first = await trace_stream(session, url, short, headers)
+        m_mid = await metrics()
+        second = await trace_stream(session, url, short, headers)
+        m_after = await metrics()
+        errors = [t.error for t in (first, second) if t.error]
+        found = [checks.prefix_cache(first.ttft, second.ttft, m_mid, m_after, errors)]
+        stream = await trace_stream(session, url, {**probe, "model": model,
+                                                   "max_tokens": args.max_tokens}, headers)
+        m_end = await metrics()
+        found.insert(0, checks.streaming(stream))
+        server = pm.mean_delta(m_after or {}, m_end or {}, "server_ttft")
+        hist = pm.histogram(m_end or {}, "server_ttft")
+        found.insert(1, checks.client_vs_server(stream.ttft, server, hist and hist[0]))
+    found += prompt_findings(bodies, tokenizer)
+    found += checks.engine_state(m_start, m_end)
+    return found
+
+
+def prompt_findings(bodies: list[dict], tokenizer) -> list[checks.Finding]:
+    if not bodies:
+        return [checks.Finding("c", "dynamic fields", "SKIP", "no --request given: pass a real "
+                               "request body (twice to compare two) to check your prompts")]
+    out = [dynamic_fields(f"request {i + 1}", b, tokenizer) for i, b in enumerate(bodies)]
+    if len(bodies) == 2:
+        out.append(divergence(bodies[0], bodies[1], tokenizer))
+    return out
+
+
+def print_findings(findings: list[checks.Finding], args) -> None:
+    problems = [f for f in findings if f.status == "FAIL"]
+    if args.json:
+        print(json.dumps({"url": args.url, "problems": len(problems), "findings": [
+            {"check": f.check, "title": f.title, "status": f.status, "detail": f.detail,
+             "fix": f.fix, "data": f.data} for f in findings]}, indent=1, default=str))
+        return
+    print(f"prefixgate doctor {args.url}  ({time.strftime('%Y-%m-%d %H:%M:%S')})")
+    for f in sorted(findings, key=lambda f: f.check):
+        print(f"[{MARK[f.status]}] ({f.check}) {f.title}: {f.detail}")
+        if f.fix and f.status in ("FAIL", "WARN"):
+            print(f"        fix: {f.fix}")
+    warns = sum(f.status == "WARN" for f in findings)
+    print(f"verdict: {len(problems)} problem(s), {warns} warning(s)" if problems or warns
+          else "verdict: healthy, nothing found that adds to TTFT")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

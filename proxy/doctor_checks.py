@@ -1,0 +1,170 @@
+"""The judgement half of `prefixgate doctor`: measurements in, findings with fixes out.
+
+Thresholds are named here so the verdicts can be read and argued with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import doctor_metrics as pm
+from .doctor_trace import Trace
+
+MIN_EVENTS = 4              # content events needed to judge the arrival pattern
+BURST_READS = 2             # ... all of them in this few reads means someone buffered
+MIN_STREAM_S = 0.05         # ... over a stream at least this long (else too fast to tell)
+OUTSIDE_S = 0.05            # client TTFT above server TTFT by more than this ...
+OUTSIDE_FRAC = 0.25         # ... and by more than this fraction: time lost in between
+HIT_RATIO_OK = 0.5          # prefix-cache hit ratio of an identical second request
+TIMING_MIN_S = 0.03         # first TTFT below this: prefill too short to judge by timing
+TIMING_FASTER = 0.6         # second TTFT at most this fraction of the first: cache works
+TIMING_SAME = 0.85          # second TTFT at least this fraction of the first: cache off
+KV_HIGH = 0.9               # KV cache usage that leaves no room for bursts
+SHAREABLE_LOW = 0.5         # two requests sharing less than this of the prompt
+
+FIX_BUFFERING = ("turn response buffering off on every hop of the streaming route: nginx "
+                 "`proxy_buffering off;` (or have the backend send `X-Accel-Buffering: no`), "
+                 "no gzip/brotli for text/event-stream, streaming mode on API gateways and CDNs "
+                 "(prefixgate's gateway never buffers)")
+FIX_CACHE = ("turn prefix caching on: vLLM `--enable-prefix-caching` (on by default in V1), "
+             "SGLang: drop `--disable-radix-cache`, prefixgate backend: drop "
+             "`--no-prefix-caching`; with several replicas route by prefix (`prefix_route`)")
+FIX_DYNAMIC = ("move per-request values (time, ids) after the static part of the prompt, at "
+               "the end of the last user message, or put prefixgate's `normalize` plugin in "
+               "front, which moves them there")
+
+
+@dataclass
+class Finding:
+    check: str                     # "a".."d"
+    title: str
+    status: str                    # PASS, INFO, WARN, FAIL, SKIP
+    detail: str
+    fix: str = ""
+    data: dict = field(default_factory=dict)
+
+
+def ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+# --- (a) transport -------------------------------------------------------------------------
+def streaming(tr: Trace) -> Finding:
+    title = "streaming"
+    if tr.error:
+        return Finding("a", title, "FAIL", f"the streamed request failed: {tr.error}",
+                       "check the URL, the model name and the server's logs")
+    times, reads = tr.content_times, tr.content_reads
+    data = {"content_events": len(times), "content_reads": reads, "reads": len(tr.reads),
+            "ttft_ms": tr.ttft and round(tr.ttft * 1000, 1),
+            "end_ms": tr.end and round(tr.end * 1000, 1), "headers": tr.headers}
+    if tr.encoding not in ("", "identity"):
+        return Finding("a", title, "FAIL", f"the event stream is compressed (Content-Encoding: "
+                       f"{tr.encoding}); a compressor holds tokens back until its window fills",
+                       FIX_BUFFERING, data)
+    if "content-length" in tr.headers:
+        return Finding("a", title, "FAIL", f"the stream came with Content-Length: "
+                       f"{tr.headers['content-length']}, so something read it whole before "
+                       f"sending it on (first content at {ms(tr.ttft)})", FIX_BUFFERING, data)
+    if len(times) < MIN_EVENTS:
+        return Finding("a", title, "INFO", f"only {len(times)} content events came back (the "
+                       f"model stopped early?); too few to judge the arrival pattern", data=data)
+    span = times[-1] - times[0]
+    if reads <= BURST_READS and times[-1] >= MIN_STREAM_S:
+        return Finding("a", title, "FAIL", f"all {len(times)} content events arrived in "
+                       f"{reads} read(s) at {ms(times[0])}..{ms(times[-1])}: the stream is "
+                       f"buffered on the way (a streaming server sends one event per token)",
+                       FIX_BUFFERING, data)
+    return Finding("a", title, "PASS", f"{len(times)} content events over {reads} reads, first "
+                   f"at {ms(times[0])}, last at {ms(times[-1])} ({ms(span / (len(times) - 1))} "
+                   f"apart on average): not buffered", data=data)
+
+
+def client_vs_server(client_ttft: float | None, server_ttft: float | None,
+                     source: str | None) -> Finding:
+    title = "client vs server TTFT"
+    if client_ttft is None:
+        return Finding("a", title, "SKIP", "no client TTFT measured")
+    if server_ttft is None:
+        return Finding("a", title, "INFO", f"client TTFT {ms(client_ttft)}; the server exposes "
+                       "no TTFT histogram to compare with (pass --metrics-url of the engine)")
+    outside = client_ttft - server_ttft
+    data = {"client_ms": round(client_ttft * 1000, 1), "server_ms": round(server_ttft * 1000, 1),
+            "metric": source}
+    if outside > OUTSIDE_S and outside > OUTSIDE_FRAC * client_ttft:
+        return Finding("a", title, "WARN", f"client TTFT {ms(client_ttft)} but the server "
+                       f"reports {ms(server_ttft)} ({source}): {ms(outside)} is spent between "
+                       "them", "reuse connections (keep-alive), move the client closer, remove "
+                       "proxies in between, and check the streaming finding above", data)
+    return Finding("a", title, "PASS", f"client TTFT {ms(client_ttft)}, server {ms(server_ttft)}"
+                   f" ({source}): no time lost in between", data=data)
+
+
+# --- (b) prefix cache ----------------------------------------------------------------------
+def prefix_cache(ttft1: float | None, ttft2: float | None, before: dict | None,
+                 after: dict | None, errors: list[str]) -> Finding:
+    title = "prefix cache"
+    if errors:
+        return Finding("b", title, "FAIL", f"the probe request failed: {errors[0]}",
+                       "check the URL, the model name and the server's logs")
+    times = f"TTFT {ms(ttft1)} then {ms(ttft2)}"
+    data = {"ttft1_ms": ttft1 and round(ttft1 * 1000, 1), "ttft2_ms": ttft2 and round(ttft2 * 1000, 1)}
+    q = pm.delta(before or {}, after or {}, "prefix_queries") if after else None
+    h = pm.delta(before or {}, after or {}, "prefix_hits") if after else None
+    if q is not None:
+        data.update(queries=q[1], hits=h[1] if h else 0.0, metric=q[0])
+        if q[1] <= 0:
+            return Finding("b", title, "FAIL", f"the server counted no prefix-cache lookups for "
+                           f"the repeated request ({q[0]}): caching is off; {times}",
+                           FIX_CACHE, data)
+        ratio = (h[1] if h else 0.0) / q[1]
+        data["hit_ratio"] = round(ratio, 3)
+        verdict = "PASS" if ratio >= HIT_RATIO_OK else "FAIL"
+        return Finding("b", title, verdict, f"the same request sent twice: {ratio:.0%} of the "
+                       f"second one's prompt tokens came from the cache ({q[0]}); {times}",
+                       "" if verdict == "PASS" else FIX_CACHE, data)
+    if ttft1 is None or ttft2 is None or ttft1 < TIMING_MIN_S:
+        return Finding("b", title, "INFO", f"no prefix-cache counters in /metrics and the "
+                       f"prefill is too short to judge by timing ({times})", data=data)
+    if ttft2 <= TIMING_FASTER * ttft1:
+        return Finding("b", title, "PASS", f"the same request sent twice: {times} (judged by "
+                       "timing; no cache counters in /metrics)", data=data)
+    if ttft2 >= TIMING_SAME * ttft1:
+        return Finding("b", title, "FAIL", f"the same request sent twice was not faster the "
+                       f"second time: {times} (judged by timing)", FIX_CACHE, data)
+    return Finding("b", title, "WARN", f"the second identical request was only a little "
+                   f"faster: {times}; inconclusive without cache counters", FIX_CACHE, data)
+
+
+# --- (d) engine state ----------------------------------------------------------------------
+def engine_state(start: dict | None, end: dict | None) -> list[Finding]:
+    if end is None:
+        return [Finding("d", "KV cache and preemptions", "SKIP", "no /metrics at this URL "
+                        "(pass --metrics-url of the engine)")]
+    kv, pre = pm.get(end, "kv_usage"), pm.delta(start or {}, end, "preemptions")
+    waiting = pm.get(end, "waiting")
+    if kv is None and pre is None:
+        return [Finding("d", "KV cache and preemptions", "SKIP", "this /metrics has no engine "
+                        "metrics (a gateway?); pass --metrics-url of the engine")]
+    out = []
+    if kv is not None:
+        usage = kv[1] / 100.0 if kv[1] > 1.0 else kv[1]
+        status = "WARN" if usage >= KV_HIGH else "PASS"
+        out.append(Finding("d", "KV cache usage", status, f"{usage:.0%} of the KV cache in use "
+                           f"({kv[0]})", "" if status == "PASS" else (
+                               "give the KV cache more memory (vLLM --gpu-memory-utilization, "
+                               "--kv-cache-memory), use an FP8 KV cache, lower --max-num-seqs, "
+                               "or add replicas"), {"kv_usage": usage}))
+    if pre is not None:
+        total = pm.get(end, "preemptions")[1]
+        status = "FAIL" if pre[1] > 0 else ("WARN" if total > 0 else "PASS")
+        out.append(Finding("d", "preemptions", status, f"{pre[1]:g} preemptions during this "
+                           f"check, {total:g} since the server started ({pre[0]})",
+                           "" if status == "PASS" else (
+                               "preempted requests are recomputed from scratch: give the KV "
+                               "cache more room or admit fewer concurrent requests"),
+                           {"during": pre[1], "total": total}))
+    if waiting is not None and waiting[1] > 0:
+        out.append(Finding("d", "queue", "WARN", f"{waiting[1]:g} requests waiting for a slot "
+                           f"({waiting[0]})", "add capacity or admission control; a long queue "
+                           "is TTFT", {"waiting": waiting[1]}))
+    return out

@@ -1,0 +1,98 @@
+"""One streamed request as `prefixgate doctor` sees it: every read off the socket, with its
+time, raw size and the SSE events it completed, plus the response headers. Unlike the bench
+client it asks for compression like a browser or the OpenAI SDK does and never decompresses
+on the fly, so a compressing proxy shows up as what it is."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .bench_client import error_message, has_content
+
+ACCEPT_ENCODING = "gzip, deflate, br"     # what httpx (the OpenAI SDK) and browsers send
+
+
+@dataclass
+class Trace:
+    status: int | None = None
+    headers: dict = field(default_factory=dict)
+    error: str | None = None
+    ttft: float | None = None             # seconds to the first content event
+    end: float | None = None              # seconds to the end of the stream
+    reads: list = field(default_factory=list)   # (seconds, raw bytes, content events completed)
+
+    @property
+    def content_times(self) -> list[float]:
+        return [t for t, _, n in self.reads for _ in range(n)]
+
+    @property
+    def content_reads(self) -> int:
+        return sum(1 for _, _, n in self.reads if n)
+
+    @property
+    def encoding(self) -> str:
+        return self.headers.get("content-encoding", "").strip().lower()
+
+
+class _Decoder:
+    """Undo gzip/deflate incrementally so events can still be counted; None for others."""
+
+    def __init__(self, encoding: str):
+        self.z = None
+        if encoding in ("gzip", "x-gzip"):
+            self.z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == "deflate":
+            self.z = zlib.decompressobj()
+        self.ok = encoding in ("", "identity") or self.z is not None
+
+    def feed(self, data: bytes) -> bytes:
+        return self.z.decompress(data) if self.z is not None else data
+
+
+async def trace_stream(session: aiohttp.ClientSession, url: str, body: dict,
+                       headers: dict) -> Trace:
+    tr = Trace()
+    t0 = time.monotonic()
+    try:
+        async with session.post(url, json={**body, "stream": True}, headers={
+                **headers, "Accept-Encoding": ACCEPT_ENCODING}) as resp:
+            tr.status = resp.status
+            tr.headers = {k.lower(): v for k, v in resp.headers.items()}
+            if resp.status != 200:
+                tr.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
+                return tr
+            decoder, buf = _Decoder(tr.encoding), b""
+            async for chunk in resp.content.iter_any():
+                now = time.monotonic() - t0
+                n = 0
+                if decoder.ok:
+                    buf += decoder.feed(chunk).replace(b"\r\n", b"\n")
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        n += _is_content(event, tr)
+                if n and tr.ttft is None:
+                    tr.ttft = now
+                tr.reads.append((now, len(chunk), n))
+            tr.end = time.monotonic() - t0
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, zlib.error) as e:
+        tr.error = f"{type(e).__name__}: {e}"
+    return tr
+
+
+def _is_content(event: bytes, tr: Trace) -> int:
+    data = event.strip()
+    if not data.startswith(b"data:") or data[5:].strip() == b"[DONE]":
+        return 0
+    try:
+        obj = json.loads(data[5:])
+    except ValueError:
+        return 0
+    if isinstance(obj, dict) and "error" in obj:
+        tr.error = f"error event: {error_message(data[5:])}"
+        return 0
+    return int(isinstance(obj, dict) and has_content(obj))
