@@ -2,7 +2,8 @@
 
 `make_tiny_model(dir, kind)` saves a LlamaForCausalLM or Qwen2ForCausalLM built by transformers
 (safetensors weights, config.json) plus a byte-level BPE tokenizer and a ChatML chat template;
-both our engine and transformers load the same directory.
+both our engine and transformers load the same directory. `PagedCache` drives our model over a
+paged KV cache directly (no engine), for tests that compare it with transformers.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from prefixgate.backend.attention import AttentionMetadata
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 
 VOCAB_SIZE = 384
@@ -88,3 +90,50 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     write_tokenizer_files(out, tok, model_max_length=config.max_position_embeddings)
     return out
+
+
+class PagedCache:
+    """Minimal stand-in for the engine's KV cache bookkeeping, enough to drive the model."""
+
+    def __init__(self, config, num_blocks=96, block_size=4, dtype=torch.float32, device="cpu", seed=0):
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(config.num_hidden_layers)]
+        self.block_size, self.device = block_size, device
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def _slot(self, sid: int, pos: int) -> int:
+        table = self.tables.setdefault(sid, [])
+        if pos // self.block_size >= len(table):
+            table.append(self.free.pop())
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @torch.no_grad()
+    def step(self, model, batch: dict[int, list[int]], backend=None) -> dict[int, torch.Tensor]:
+        """Run one forward over the new tokens of every sequence in `batch`; logits per sequence."""
+        ids, positions, slots, starts = [], [], [], [0]
+        for sid, tokens in batch.items():
+            start = self.lens.get(sid, 0)
+            for i, tok in enumerate(tokens):
+                ids.append(tok)
+                positions.append(start + i)
+                slots.append(self._slot(sid, start + i))
+            self.lens[sid] = start + len(tokens)
+            starts.append(starts[-1] + len(tokens))
+        width = max(len(self.tables[s]) for s in batch)
+        tables = [self.tables[s] + [0] * (width - len(self.tables[s])) for s in batch]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([self.lens[s] for s in batch], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_seq_len=max(self.lens[s] for s in batch),
+            is_decode=all(len(t) == 1 for t in batch.values()),
+            attention_backend=backend,
+        )
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, self.kv)
+        logits = model.compute_logits(hidden)
+        return {sid: logits[starts[i]:starts[i + 1]] for i, sid in enumerate(batch)}
