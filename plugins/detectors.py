@@ -41,9 +41,14 @@ ID_LABELS = [
     "请求ID", "请求编号", "请求标识", "会话ID", "会话编号", "会话标识", "对话ID", "追踪ID",
     "跟踪ID", "链路ID", "流水号", "随机数",
 ]
-# A window must contain one of these (lower-cased) before the label regex is tried.
-ANCHORS = ("time", "date", "today", "now", "stamp", "id", "nonce", "key",
-           "时间", "日期", "今天", "今日", "现在", "此刻", "时刻", "编号", "标识", "流水", "随机")
+# The label regex runs only where the text before a token ends in one of these: a separator,
+# the last word of a label, or a word a date may start with (label plus month, weekday…).
+_MONTHS = ("january february march april may june july august september october november "
+           "december jan feb mar apr jun jul aug sep sept oct nov dec")
+_DAYS = "monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur fri sat sun"
+_GATE_WORDS = frozenset(f"is was {_MONTHS} {_DAYS}".split())
+_GATE_CHARS = frozenset(":：=*_)）是为為午上晨间一二三四五六日天")
+_ASCII_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 WINDOW = 72          # chars before a token searched for its label
 
 # --- value grammars ---------------------------------------------------------------------------
@@ -85,7 +90,7 @@ ID_VALUE = re.compile(rf"(?P<uuid>{_UUID}){_END}|(?P<jwt>{_JWT}){_END}|(?P<ulid>
 BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT)}
 
 # A digit-bearing token: starts at a digit (a fast C scan), extended left in Python.
-_TOKEN_RE = re.compile(r"[0-9][0-9A-Za-z_+/=.:\-年月日时分秒号]*")
+_TOKEN_RE = re.compile(r"[0-9](?:[0-9A-Za-z_+/=.:\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?")
 _LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _TRIM = ".:-/+_"
 _CODE = re.compile(r"```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]+`"
@@ -129,26 +134,17 @@ def code_spans(text: str) -> list[tuple[int, int]]:
 
 
 def tokens(text: str, code: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Spans of digit-bearing tokens outside code, in order."""
-    out = []
+    """Spans of digit-bearing tokens outside code, in order. A token starts at a digit (one
+    fast C scan); `Detector.find` extends it left over letters where a type needs that."""
+    spans = [m.span() for m in _TOKEN_RE.finditer(text)]
+    if not code:
+        return spans
     starts = [s for s, _ in code]
-    last_end = -1
-    for m in _TOKEN_RE.finditer(text):
-        s, e = m.span()
-        while s > 0 and text[s - 1] in _LEFT:
-            s -= 1
-        while e > s and text[e - 1] in _TRIM:
-            e -= 1
-        while s < e and text[s] in "-_":
-            s += 1
-        if s < last_end:       # a left extension reached into the previous token
-            continue
-        if code:
-            i = bisect_right(starts, s) - 1
-            if i >= 0 and s < code[i][1]:
-                continue
-        out.append((s, e))
-        last_end = e
+    out = []
+    for s, e in spans:
+        i = bisect_right(starts, s) - 1
+        if i < 0 or s >= code[i][1]:
+            out.append((s, e))
     return out
 
 
@@ -160,8 +156,10 @@ class Detector:
         self.types = frozenset(types)
         self.bare = [(t, BARE[t]) for t in bare if t in self.types]
         self.label = label_regex(TIME_LABELS + list(time_labels), ID_LABELS + list(id_labels))
-        self.anchors = ANCHORS + tuple(w.lower() for lab in (*time_labels, *id_labels)
-                                       for w in lab.split()[-1:])
+        labels = TIME_LABELS + ID_LABELS + list(time_labels) + list(id_labels)
+        self.gate_words = _GATE_WORDS | {re.findall("[a-z]+", lab.lower())[-1] for lab in labels
+                                         if re.search("[a-z]$", lab.lower())}
+        self.gate_chars = _GATE_CHARS | {lab[-1] for lab in labels if ord(lab[-1]) > 0x2E80}
         self.rules = list(rules)      # [(compiled regex, label)]
 
     def find(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
@@ -169,6 +167,12 @@ class Detector:
         found: list[Found] = []
         covered = -1
         for s, e in toks:
+            if s < covered:
+                continue
+            while s > 0 and text[s - 1] in _LEFT:      # "req_8f3a", "e3b0c442-…": whole word
+                s -= 1
+            while text[s] in "-_":
+                s += 1
             if s < covered:
                 continue
             hit = self._labelled(text, s, e) or self._bare(text, s, e)
@@ -180,14 +184,10 @@ class Detector:
         return found
 
     def _labelled(self, text: str, s: int, e: int) -> Found | None:
+        if not self._gate(text, s):
+            return None
         w0 = max(0, s - WINDOW)
         window = text[w0:s]
-        low = window.lower()
-        for a in self.anchors:
-            if a in low:
-                break
-        else:
-            return None
         m = self.label.search(window)
         if m is None:
             return None
@@ -206,7 +206,30 @@ class Detector:
         ls = w0 + m.start()
         return Found(vs, ve, text[vs:ve], label, vm.lastgroup, _clause(text, ls, ve))
 
+    def _gate(self, text: str, s: int) -> bool:
+        """Cheap test that what precedes a token could end a label: a separator, a label's
+        last word or character, or a word that starts a date ("is", "March", "Tue")."""
+        j = s - 1
+        while j >= 0 and text[j] in " \t\n":
+            j -= 1
+        if j < 0:
+            return False
+        c = text[j]
+        if c in ",，" and j > 0:            # "Sun, 15 Mar" / "星期日，2026年"
+            j -= 1
+            c = text[j]
+        if c in self.gate_chars:
+            return True
+        if c in _ASCII_LETTERS:
+            k = j
+            while k >= 0 and text[k] in _ASCII_LETTERS and j - k < 12:
+                k -= 1
+            return text[k + 1:j + 1].lower() in self.gate_words
+        return False
+
     def _bare(self, text: str, s: int, e: int) -> Found | None:
+        if e - s < 26:                       # the shortest bare type (ULID) is 26 chars
+            return None
         for t, rx in self.bare:
             if rx.fullmatch(text, s, e):
                 return Found(s, e, text[s:e], context_label(text, s), t)

@@ -101,6 +101,7 @@ class Normalizer:
                                cfg["learn_max_slots"]) if cfg["learn"] else None
         self.roles = frozenset(cfg["roles"])
         self.cache: OrderedDict[int, _Analysis] = OrderedDict()
+        self.seen_once: OrderedDict[int, None] = OrderedDict()   # text hashes, no analysis
 
     # --- one text ------------------------------------------------------------------------------
     def analyze(self, text: str) -> _Analysis:
@@ -115,9 +116,17 @@ class Normalizer:
         key = template_key(text, toks) if self.learner is not None and toks else 0
         a = _Analysis(toks, found, key)
         if self.cfg["cache_texts"]:
-            self.cache[h] = a
-            if len(self.cache) > self.cfg["cache_texts"]:
-                self.cache.popitem(last=False)
+            # cache a text the second time it is seen: one carrying a fresh timestamp never
+            # repeats, and caching it would only evict the static prompts that do
+            if h in self.seen_once:
+                del self.seen_once[h]
+                self.cache[h] = a
+                if len(self.cache) > self.cfg["cache_texts"]:
+                    self.cache.popitem(last=False)
+            else:
+                self.seen_once[h] = None
+                if len(self.seen_once) > 4 * self.cfg["cache_texts"]:
+                    self.seen_once.popitem(last=False)
         return a
 
     def plan(self, text: str) -> list[Found]:

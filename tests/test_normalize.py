@@ -248,7 +248,12 @@ def test_normaliser_text_cache_is_bounded():
     n = normalizer(cache_texts=4, learn_templates=4)
     for i in range(50):
         n.normalize(chat(f"Template {'ab' * i}: ticket {i}"))
-    assert len(n.cache) == 4 and len(n.learner.templates) == 4
+    assert len(n.cache) == 0                 # seen once: not worth caching
+    assert len(n.seen_once) == 16 and len(n.learner.templates) == 4
+    for i in range(50):
+        for _ in range(2):
+            n.normalize(chat(f"Static {'ab' * i}: v{i}"))
+    assert len(n.cache) == 4 and len(n.seen_once) <= 16
 
 
 # --- config ---------------------------------------------------------------------------------
