@@ -127,6 +127,14 @@ class Gateway:
         app.router.add_get("/health", self.handle_health)
         return app
 
+    def server_kw(self) -> dict:
+        """start_app() settings from `limits:` and `shutdown_timeout_s`."""
+        limits = self.config["limits"]
+        return {"max_line_size": limits["max_line_bytes"],
+                "max_field_size": limits["max_header_bytes"],
+                "max_headers": limits["max_headers"],
+                "shutdown_timeout": self.config["shutdown_timeout_s"]}
+
     async def reload(self, cfg: dict) -> None:
         """Apply a new validated config; in-flight requests finish on what they started with."""
         from .reload import apply

@@ -77,7 +77,7 @@ def serve_command(args) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, reload_config=lambda: load_config(args)))
     except ConfigError as e:        # plugin settings are checked when the chain is built
         print(f"prefixgate: config error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +87,8 @@ def serve_command(args) -> int:
     return 0
 
 
-async def serve(cfg: dict) -> None:
+async def serve(cfg: dict, reload_config=None) -> None:
+    """Run until SIGINT/SIGTERM; SIGHUP re-reads the config through `reload_config()`."""
     from .app import Gateway
     from .bundled import BundledEngines
     from .server import start_app
@@ -95,7 +96,7 @@ async def serve(cfg: dict) -> None:
     engines = None
     if cfg["bundled"] is not None:
         engines = BundledEngines(cfg["bundled"])
-        cfg = {**cfg, "upstreams": cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])}
+        cfg = with_engines(cfg, engines)
     gateway = Gateway(cfg)          # builds (and so validates) the plugin chain first
     try:
         if engines is not None:
@@ -103,7 +104,13 @@ async def serve(cfg: dict) -> None:
                   f"{cfg['bundled']['model']!r} ...", flush=True)
             await engines.start()
         runner, url = await start_app(gateway.make_app(), cfg["listen"]["host"],
-                                      cfg["listen"]["port"])
+                                      cfg["listen"]["port"], **gateway.server_kw())
+        admin = None
+        if cfg["admin_listen"] is not None:
+            admin, admin_url = await start_app(gateway.make_admin_app(),
+                                               cfg["admin_listen"]["host"],
+                                               cfg["admin_listen"]["port"])
+            print(f"prefixgate: admin (/metrics, /health) on {admin_url}", flush=True)
         names = ", ".join(f"{u.name}={u.url}" for u in gateway.upstreams)
         print(f"prefixgate: gateway listening on {url} (OpenAI API at {url}/v1) -> {names}",
               flush=True)
@@ -111,13 +118,41 @@ async def serve(cfg: dict) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if reload_config is not None:
+            lock = asyncio.Lock()
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(
+                reload(gateway, reload_config, engines, lock)))
         await stop.wait()
-        print("prefixgate: shutting down", flush=True)
-        await runner.cleanup()
+        print(f"prefixgate: shutting down: no new connections; in-flight requests get up to "
+              f"{cfg['shutdown_timeout_s']}s", flush=True)
+        await runner.cleanup()      # stop listening, drain running handlers, then close
+        if admin is not None:
+            await admin.cleanup()
+        print("prefixgate: stopped", flush=True)
     finally:
         if engines is not None:
             await engines.stop()
 
+
+def with_engines(cfg: dict, engines) -> dict:
+    return {**cfg, "upstreams": cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])}
+
+
+async def reload(gateway, reload_config, engines, lock: asyncio.Lock) -> None:
+    """SIGHUP: apply the file's current config, or log why not and keep the running one."""
+    log = logging.getLogger("prefixgate")
+    async with lock:
+        try:
+            cfg = reload_config()
+            if engines is not None:
+                cfg = with_engines(cfg, engines)
+            await gateway.reload(cfg)
+        except ConfigError as e:
+            log.error("config reload refused, keeping the running config: %s", e)
+        except Exception:
+            log.exception("config reload failed, keeping the running config")
+        else:
+            print("prefixgate: config reloaded", flush=True)
 
 if __name__ == "__main__":
     raise SystemExit(main())
