@@ -1,0 +1,203 @@
+"""Hot reload (in process and by SIGHUP) and graceful shutdown on SIGTERM of `prefixgate serve`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import time
+
+import aiohttp
+import pytest
+import yaml
+
+from helpers import CHAT, read_events, event_json
+from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import ConfigError
+
+
+async def stream(client, url, **standin):
+    """A streamed chat; returns (upstream name, content events, saw [DONE])."""
+    async with client.post(url + "/v1/chat/completions",
+                           json={**CHAT, "stream": True, "x_standin": standin}) as r:
+        assert r.status == 200, await r.text()
+        events = [event_json(e) for _, e in await read_events(r)]
+        return r.headers["x-prefixgate-upstream"], events
+
+
+def contents(events) -> list[str]:
+    return [e["choices"][0]["delta"].get("content") for e in events
+            if isinstance(e, dict) and "choices" in e and e["choices"][0]["delta"]]
+
+
+async def test_reload_swaps_upstreams_and_plugins_without_dropping_streams(make_standin,
+                                                                          make_gateway):
+    a, b = await make_standin(tokens=10, gap=0.05), await make_standin(tokens=10)
+    raw = {"upstreams": [{"name": "a", "url": a.url}],
+           "plugins": ["metrics", {"admission": {"max_inflight": 4}}]}
+    gw = await make_gateway(raw)
+    g = gw.gateway
+    metrics_before = next(p for p in g.chain.plugins if p.name == "metrics")
+    async with aiohttp.ClientSession() as client:
+        inflight = asyncio.create_task(stream(client, gw.url))
+        await asyncio.sleep(0.15)                            # mid-stream on a
+        await g.reload(config_mod.validate(
+            {"upstreams": [{"name": "b", "url": b.url}],
+             "plugins": ["metrics", {"admission": {"max_inflight": 8}}]}))
+        name, events = await inflight
+        assert name == "a" and contents(events) == [f"tok{i} " for i in range(10)]
+        assert events[-1] == "[DONE]"
+        assert {(await stream(client, gw.url))[0] for _ in range(3)} == {"b"}
+        async with client.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    # the unchanged metrics plugin (and its counts) survived; admission was rebuilt
+    assert next(p for p in g.chain.plugins if p.name == "metrics") is metrics_before
+    assert 'prefixgate_requests_total{status="200"} 4.0' in text
+    assert next(p for p in g.chain.plugins if p.name == "admission").cfg["max_inflight"] == 8
+    await asyncio.sleep(0.3)
+    assert [u.name for u in g.upstreams] == ["b"]
+
+
+async def test_bad_plugin_settings_are_refused_and_the_old_config_stays(make_standin,
+                                                                       make_gateway):
+    a = await make_standin()
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}], "plugins": ["metrics"]})
+    g = gw.gateway
+    chain, registry = g.chain, g.registry
+    with pytest.raises(ConfigError, match=r"plugins\[0\].metrics.slo_ttft_ms"):
+        await g.reload(config_mod.validate({"upstreams": [{"name": "z", "url": a.url}],
+                                            "plugins": [{"metrics": {"slo_ttft_ms": -1}}]}))
+    assert g.chain is chain and g.registry is registry and [u.name for u in g.upstreams] == ["a"]
+    async with aiohttp.ClientSession() as client:
+        assert (await stream(client, gw.url))[0] == "a"
+        async with client.get(gw.url + "/metrics") as r:
+            assert "prefixgate_ttft_seconds" in await r.text()
+
+
+# --- the real command: signals ---------------------------------------------------------------
+class Serve:
+    """`prefixgate serve --config FILE` in a child process, its URL read from stdout."""
+
+    def __init__(self, path):
+        self.path = path
+        self.proc = None
+        self.url = ""
+        self.output: list[str] = []
+
+    async def start(self):
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config", str(self.path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        while not self.url:
+            line = (await asyncio.wait_for(self.proc.stdout.readline(), 20)).decode()
+            assert line, "serve exited: " + "".join(self.output)
+            self.output.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            self.url = m.group(1) if m else ""
+        asyncio.get_running_loop().create_task(self._drain())
+        return self
+
+    async def _drain(self):
+        async for line in self.proc.stdout:
+            self.output.append(line.decode())
+
+    async def wait_output(self, text, timeout=10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.output):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def signal(self, sig):
+        os.kill(self.proc.pid, sig)
+
+    async def stop(self):
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+@pytest.fixture
+async def serve_process():
+    procs = []
+
+    async def start(path):
+        p = await Serve(path).start()
+        procs.append(p)
+        return p
+    yield start
+    for p in procs:
+        await p.stop()
+
+
+def write(path, cfg):
+    path.write_text(yaml.safe_dump(cfg))
+
+
+async def test_sighup_reloads_and_a_bad_file_is_refused(tmp_path, make_standin, serve_process):
+    a, b = await make_standin(tokens=10, gap=0.05), await make_standin(tokens=10)
+    path = tmp_path / "gw.yaml"
+    base = {"listen": {"port": 0}, "health": {"interval_s": 0}}
+    write(path, {**base, "upstreams": [{"name": "a", "url": a.url}]})
+    gw = await serve_process(path)
+    async with aiohttp.ClientSession() as client:
+        inflight = asyncio.create_task(stream(client, gw.url))
+        await asyncio.sleep(0.15)
+        write(path, {**base, "upstreams": [{"name": "b", "url": b.url}]})
+        gw.signal(signal.SIGHUP)
+        assert await gw.wait_output("config reloaded")
+        name, events = await inflight                        # the running stream finished
+        assert name == "a" and len(contents(events)) == 10 and events[-1] == "[DONE]"
+        assert (await stream(client, gw.url))[0] == "b"
+
+        write(path, {**base, "upstreams": [{"name": "c", "url": "ftp://nowhere"}]})
+        gw.signal(signal.SIGHUP)
+        assert await gw.wait_output("config reload refused")
+        assert any("upstreams[0].url: must start with http://" in line for line in gw.output)
+        assert (await stream(client, gw.url))[0] == "b"      # the old config stays
+        path.write_text("upstreams: [unclosed")
+        gw.signal(signal.SIGHUP)
+        assert await gw.wait_output("invalid YAML")
+        assert (await stream(client, gw.url))[0] == "b"
+    assert gw.proc.returncode is None
+
+
+async def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path, make_standin,
+                                                            serve_process):
+    up = await make_standin(tokens=12, gap=0.1)
+    path = tmp_path / "gw.yaml"
+    write(path, {"listen": {"port": 0}, "upstreams": [{"url": up.url}],
+                 "shutdown_timeout_s": 10})
+    gw = await serve_process(path)
+    async with aiohttp.ClientSession() as client:
+        inflight = asyncio.create_task(stream(client, gw.url))
+        await asyncio.sleep(0.3)
+        gw.signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(aiohttp.ClientConnectionError):   # no longer accepting
+            async with aiohttp.ClientSession() as fresh:
+                await fresh.get(gw.url + "/health")
+        _, events = await inflight
+    assert len(contents(events)) == 12 and events[-1] == "[DONE]"
+    assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+
+
+async def test_sigterm_deadline_cuts_streams_that_run_too_long(tmp_path, make_standin,
+                                                              serve_process):
+    up = await make_standin(tokens=100, gap=0.1)            # a 10 s stream
+    path = tmp_path / "gw.yaml"
+    write(path, {"listen": {"port": 0}, "upstreams": [{"url": up.url}],
+                 "shutdown_timeout_s": 0.5})
+    gw = await serve_process(path)
+    async with aiohttp.ClientSession() as client:
+        inflight = asyncio.create_task(stream(client, gw.url))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        gw.signal(signal.SIGTERM)
+        assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+        assert time.monotonic() - t0 < 3
+        with pytest.raises((aiohttp.ClientError, AssertionError)):
+            _, events = await inflight
+            assert events[-1] == "[DONE]"
