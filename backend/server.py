@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -403,8 +404,14 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
 async def _serve_forever(argv: list[str]) -> None:
     server = await start_server(argv)
     print(f"prefixgate engine: serving {server.engine.engine.served_model_name} at {server.url}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):   # not on this platform: Ctrl-C still works
+            pass
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await server.close()
 

@@ -3,15 +3,18 @@ usage), text prompts, stop strings, seeds, errors in OpenAI's shape, /v1/models,
 the Prometheus names."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
+import torch
 
 from engine_support import ServerThread, complete_ids, hf_greedy, load_hf, metrics
 from model_factory import make_tiny_model
 from prefixgate.backend.tokenizer import Tokenizer
 
-MAX_LEN = 128
+MAX_LEN = 1024
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
 
 
@@ -131,9 +134,9 @@ async def test_bad_requests_get_openai_errors(server, path, body, needle):
 
 
 async def test_prompt_longer_than_the_context_names_both_lengths(server):
-    status, data = await post(server.url + "/v1/completions", json_body={"prompt": [5] * 200})
+    status, data = await post(server.url + "/v1/completions", json_body={"prompt": [5] * 1500})
     assert status == 400 and data["error"]["code"] == "context_length_exceeded"
-    assert str(MAX_LEN) in data["error"]["message"] and "200" in data["error"]["message"]
+    assert str(MAX_LEN) in data["error"]["message"] and "1500" in data["error"]["message"]
 
 
 async def test_unknown_route_is_an_openai_404(server):
@@ -158,3 +161,31 @@ async def test_metrics_names_and_latency_histograms(server):
     key = "prefixgate:time_per_output_token_seconds_count"
     assert after[key] >= before.get(key, 0) + 3
     assert after["prefixgate:prefix_cache_queries_total"] == before["prefixgate:prefix_cache_queries_total"] + 4
+
+
+async def test_non_streaming_client_that_hangs_up_is_aborted(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 100_000, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(server.url + "/v1/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                await r.read()
+        for _ in range(100):
+            now = await metrics(s, server.url)
+            if now["prefixgate:num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    assert now["prefixgate:num_requests_running"] == 0
+    assert now["prefixgate:kv_cache_usage_perc"] == 0.0
+
+
+async def test_fp8_kv_cache_serves(model_dir):
+    """An e4m3 KV cache (quantized on write) serves; rounding may change later greedy picks,
+    so only the first token, computed from barely-rounded KV, must match transformers."""
+    prompt = [5, 17, 33, 61, 90, 120, 150, 200]
+    expected = hf_greedy(load_hf(model_dir), prompt, 4)
+    with ServerThread(["--model", str(model_dir), "--kv-cache-dtype", "fp8"]) as fp8:
+        async with aiohttp.ClientSession() as s:
+            got = await complete_ids(s, fp8.url, prompt, 4)
+        assert fp8.server.engine.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert len(got["token_ids"]) == 4 and got["token_ids"][0] == expected[0]

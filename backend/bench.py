@@ -1,0 +1,204 @@
+"""Engine benchmarks on CPU with the demo model: `python -m prefixgate.backend.bench`.
+
+Each figure is a ratio against a baseline measured in the same run, through the real HTTP
+server (streamed completions with token-id prompts, so tokenization is not measured):
+  a) prefix cache: TTFT of a 2,400-token prompt whose first 1,200 (or 1,920 = 80%) tokens
+     were served just before, vs the same-length prompt cold.          targets 1.8x, 3.5x
+  b) chunked prefill: one 4,000-token prompt arriving with 16 short ones; the short ones'
+     p95 TTFT with chunked prefill vs with prompts taken whole.        target 3x
+  c) continuous batching: 16 concurrent 128-token generations vs the same 16 run one by one
+     with transformers' `generate` on the same model.                  target 4x
+Prints medians and ratios; `--out FILE` saves them with the config as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import aiohttp
+
+from prefixgate.backend.server import start_server
+
+TARGETS = {"prefix_50": 1.8, "prefix_80": 3.5, "chunked_p95": 3.0, "throughput": 4.0}
+
+
+class Prompts:
+    """Fresh random token ids, so no two measurements share a prefix by accident."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        # Skip the lowest ids, where tokenizers keep their special tokens.
+        return [self.rng.randrange(16, self.vocab) for _ in range(n)]
+
+
+async def ttft(session, url: str, prompt: list[int], max_tokens: int = 1) -> float:
+    """Seconds from sending the request to the first streamed token; reads the stream to its end."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+    return first
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+
+
+async def serve(model: str, *flags: str):
+    return await start_server(["--model", model, *flags], host="127.0.0.1", port=0)
+
+
+async def bench_prefix(model: str, repeats: int, prompts: Prompts) -> dict:
+    server = await serve(model)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await ttft(s, server.url, prompts(64))                   # warm-up
+            cold, warm50, warm80 = [], [], []
+            for _ in range(repeats):
+                cold.append(await ttft(s, server.url, prompts(2400)))
+                for shared, out in ((1200, warm50), (1920, warm80)):
+                    prefix = prompts(shared)
+                    await ttft(s, server.url, prefix)                # served before
+                    out.append(await ttft(s, server.url, prefix + prompts(2400 - shared)))
+    finally:
+        await server.close()
+    m = {k: statistics.median(v) for k, v in (("cold", cold), ("shared_50", warm50), ("shared_80", warm80))}
+    return {"ttft_median_s": m, "samples_s": {"cold": cold, "shared_50": warm50, "shared_80": warm80},
+            "prefix_50": m["cold"] / m["shared_50"], "prefix_80": m["cold"] / m["shared_80"]}
+
+
+async def _long_and_shorts(model: str, flags: list[str], repeats: int, prompts: Prompts) -> list[float]:
+    server = await serve(model, *flags)
+    p95s = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            await ttft(s, server.url, prompts(64))
+            for _ in range(repeats):
+                long_task = asyncio.create_task(ttft(s, server.url, prompts(4000)))
+                await asyncio.sleep(0)                               # the long one is sent first
+                shorts = await asyncio.gather(*(ttft(s, server.url, prompts(24), max_tokens=8)
+                                                for _ in range(16)))
+                await long_task
+                p95s.append(p95(shorts))
+    finally:
+        await server.close()
+    return p95s
+
+
+async def bench_chunked(model: str, repeats: int, prompts: Prompts) -> dict:
+    on = await _long_and_shorts(model, [], repeats, prompts)
+    off = await _long_and_shorts(model, ["--no-chunked-prefill"], repeats, prompts)
+    m_on, m_off = statistics.median(on), statistics.median(off)
+    return {"short_p95_ttft_median_s": {"chunked": m_on, "whole_prompts": m_off},
+            "samples_s": {"chunked": on, "whole_prompts": off}, "chunked_p95": m_off / m_on}
+
+
+async def bench_throughput(model: str, prompts: Prompts, n: int = 16, new_tokens: int = 128) -> dict:
+    batch = [prompts(32) for _ in range(n)]
+    server = await serve(model)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await ttft(s, server.url, prompts(32), max_tokens=4)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(ttft(s, server.url, p, max_tokens=new_tokens) for p in batch))
+            ours = time.perf_counter() - t0
+        model_dir = server.engine.engine.model_dir
+    finally:
+        await server.close()
+    hf = await asyncio.to_thread(_hf_one_by_one, model_dir, batch, new_tokens)
+    tokens = n * new_tokens
+    return {"engine_s": ours, "transformers_s": hf, "engine_tok_per_s": tokens / ours,
+            "transformers_tok_per_s": tokens / hf, "throughput": hf / ours}
+
+
+def _hf_one_by_one(model_dir, batch: list[list[int]], new_tokens: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([batch[0]]), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        for prompt in batch:
+            model.generate(torch.tensor([prompt]), **kwargs)
+        return time.perf_counter() - t0
+
+
+async def run(args) -> dict:
+    from prefixgate.backend.engine import _resolve_model_dir
+    from prefixgate.backend.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
+    prompts = Prompts(vocab, args.seed)
+    result = {"config": vars(args), "targets": TARGETS}
+    parts = set(args.parts.split(","))
+    if "a" in parts:
+        result["prefix_cache"] = await bench_prefix(args.model, args.repeats, prompts)
+        _report_a(result["prefix_cache"])
+    if "b" in parts:
+        result["chunked_prefill"] = await bench_chunked(args.model, args.repeats, prompts)
+        _report_b(result["chunked_prefill"])
+    if "c" in parts:
+        result["continuous_batching"] = await bench_throughput(args.model, prompts)
+        _report_c(result["continuous_batching"])
+    return result
+
+
+def _verdict(ratio: float, key: str) -> str:
+    return f"{ratio:.2f}x (target >= {TARGETS[key]}x: {'met' if ratio >= TARGETS[key] else 'MISSED'})"
+
+
+def _report_a(r):
+    m = r["ttft_median_s"]
+    print(f"a) prefix cache, 2,400-token prompt TTFT median: cold {m['cold'] * 1e3:.0f} ms, "
+          f"50% served before {m['shared_50'] * 1e3:.0f} ms, 80% {m['shared_80'] * 1e3:.0f} ms")
+    print(f"   speed-up 50%: {_verdict(r['prefix_50'], 'prefix_50')}; 80%: {_verdict(r['prefix_80'], 'prefix_80')}")
+
+
+def _report_b(r):
+    m = r["short_p95_ttft_median_s"]
+    print(f"b) 4,000-token prompt + 16 short ones, short p95 TTFT (median of runs): chunked "
+          f"{m['chunked'] * 1e3:.0f} ms, whole prompts {m['whole_prompts'] * 1e3:.0f} ms")
+    print(f"   improvement: {_verdict(r['chunked_p95'], 'chunked_p95')}")
+
+
+def _report_c(r):
+    print(f"c) 16 x 128 tokens: engine {r['engine_s']:.1f} s ({r['engine_tok_per_s']:.0f} tok/s), "
+          f"transformers one by one {r['transformers_s']:.1f} s ({r['transformers_tok_per_s']:.0f} tok/s)")
+    print(f"   throughput: {_verdict(r['throughput'], 'throughput')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="save results as JSON here")
+    args = p.parse_args(argv)
+    result = asyncio.run(run(args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
