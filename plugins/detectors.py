@@ -98,6 +98,10 @@ _CODE = re.compile(r"```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]+`"
 _SEP = (r"(?P<sep>(?:\s*(?:\([^()\n]{1,24}\)|（[^（）\n]{1,24}）))?\s*(?:\*\*|__)?"
         r"\s*(?:(?:is|was)\b\s*:?|[:：=]|是|为|為)?\s*(?:\*\*|__)?\s*(?:北京时间|本地时间)?)")
 _PRE = r"(?P<pre>(?:[A-Za-z]{3,9}\.?,?\s+){0,2}|" + _CN_DOW + r"[，,\s]*|上午|下午|晚上|凌晨|中午|早上)"
+# After a time value, these make it part of a fixed rule or schedule, not "the time now".
+_SCHEDULE = re.compile(r"\s*(?:[-–~～至到]\s*[0-9]|前|后|之前|之后|以前|以后|起|开始|截止"
+                       r"|(?:before|after|until|till|by|or later|or earlier|onwards?)\b)", re.I)
+_RANGE = re.compile(r"[0-9]{1,2}:[0-9]{2}\s*[-–~～]\s*[0-9]{1,2}:[0-9]{2}$")  # "9:00-18:00"
 _LINE_HEAD = re.compile(r"\s*(?:[-*•>]\s+|[0-9]{1,2}[.)]\s+)?(?:\*\*|__)?")
 
 
@@ -148,6 +152,15 @@ def tokens(text: str, code: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def word_start(text: str, s: int) -> int:
+    """Where the word holding the token at `s` starts: "req_8f3a", "e3b0c442-…", "A1017"."""
+    while s > 0 and text[s - 1] in _LEFT:
+        s -= 1
+    while text[s] in "-_":
+        s += 1
+    return s
+
+
 class Detector:
     """Compiled detectors for one configuration."""
 
@@ -169,10 +182,7 @@ class Detector:
         for s, e in toks:
             if s < covered:
                 continue
-            while s > 0 and text[s - 1] in _LEFT:      # "req_8f3a", "e3b0c442-…": whole word
-                s -= 1
-            while text[s] in "-_":
-                s += 1
+            s = word_start(text, s)
             if s < covered:
                 continue
             hit = self._labelled(text, s, e) or self._bare(text, s, e)
@@ -201,6 +211,9 @@ class Detector:
         vs, ve = vm.span()
         while ve > vs and text[ve - 1] in _TRIM:
             ve -= 1
+        if m.group("time") is not None and (_SCHEDULE.match(text, ve) or
+                                            _RANGE.search(text, vs, ve)):
+            return None                      # "今天18:00前下单", "now 9:00-18:00": a rule
         if vm.lastgroup == "id" and not any(c.isdigit() for c in text[vs:ve]):
             return None
         ls = w0 + m.start()

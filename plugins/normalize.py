@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prefixgate.proxy.config import ConfigError, Key, one_of, positive, non_negative
 from prefixgate.proxy.plugin import Plugin
 
-from .detectors import BARE, TYPES, Detector, Found, code_spans, context_label, tokens
+from .detectors import (BARE, TYPES, Detector, Found, code_spans, context_label, tokens,
+                        word_start)
 from .learner import Learner, template_key
 
 OPEN, CLOSE = "<dynamic_context>", "</dynamic_context>"
@@ -146,7 +147,7 @@ class Normalizer:
         if not isinstance(msgs, list) or not msgs or _already_done(msgs):
             return []
         moved, lines = [], []
-        budget = self.cfg["max_moves"]
+        budget, number = self.cfg["max_moves"], 1     # number: the next placeholder's
         for i, msg in enumerate(msgs):
             if not isinstance(msg, dict) or not (msg.get("role") in self.roles or (
                     i < self.cfg["scan_first"] and msg.get("role") in ("user", "assistant"))):
@@ -156,7 +157,7 @@ class Normalizer:
                 found = self.plan(text)[:budget - len(moved)]
                 if not found:
                     continue
-                holder[field], new_lines = rewrite(text, found, len(moved) + 1)
+                holder[field], new_lines, number = rewrite(text, found, number)
                 lines += new_lines
                 moved += [{"message": i, "label": f.label, "value": f.value, "type": f.type}
                           for f in found]
@@ -172,6 +173,7 @@ def _learned_finds(text: str, toks, learned: frozenset[int]) -> list[Found]:
     out: list[Found] = []
     for i in sorted(learned):
         s, e = toks[i]
+        s = word_start(text, s)
         if out and out[-1].end <= s and s - out[-1].end <= 3 and all(
                 c in _JOIN_GAP for c in text[out[-1].end:s]):
             last = out[-1]
@@ -193,8 +195,9 @@ def _merge(typed: list[Found], learned: list[Found]) -> list[Found]:
     return out
 
 
-def rewrite(text: str, found: list[Found], first_no: int) -> tuple[str, list[str]]:
-    """Cut or replace each find; return the new text and the tail lines, in text order."""
+def rewrite(text: str, found: list[Found], first_no: int) -> tuple[str, list[str], int]:
+    """Cut or replace each find; return the new text, the tail lines (in text order) and the
+    next placeholder number."""
     parts, lines, prev, no = [], [], 0, first_no
     for f in found:
         label = f.label.strip()
@@ -211,7 +214,7 @@ def rewrite(text: str, found: list[Found], first_no: int) -> tuple[str, list[str
             lines.append(f"⟨{no}⟩ {label}{sep}{f.value}" if label else f"⟨{no}⟩{sep}{f.value}")
             no += 1
     parts.append(text[prev:])
-    return "".join(parts), lines
+    return "".join(parts), lines, no
 
 
 def attach(msgs: list, lines: str, move_to: str) -> None:
