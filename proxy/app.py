@@ -311,6 +311,10 @@ class Gateway:
             self.health.bad_answer(up, describe(e))
             raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
                             code="upstream_error") from None
+        problem = broken_success(upstream_resp, first + rest)
+        if problem:
+            self.health.bad_answer(up, problem)
+            raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
         ctx.stamp("first_byte")
         for hook in ctx.state["chain"].on_first_byte:
             hook(ctx)
@@ -438,6 +442,19 @@ def encode_body(body: dict) -> bytes:
         return json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:     # a lone surrogate (\\ud800) from the client: keep it escaped
         return json.dumps(body).encode()
+
+
+def broken_success(resp: h1pool.Response, body: bytes) -> str | None:
+    """Why a 2xx completion answer cannot come from an OpenAI-compatible server, if it can't."""
+    if not 200 <= resp.status < 300 or resp.content_type == "text/event-stream":
+        return None
+    if "json" not in resp.content_type:
+        return f"sent a non-JSON answer ({resp.content_type or 'no content type'})"
+    try:
+        json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "sent invalid JSON"
+    return None
 
 
 def is_event_stream(resp: h1pool.Response) -> bool:
