@@ -1,9 +1,11 @@
 """Triton paged prefill attention over a cached prefix; twin of prefill_attention_ref.py.
 
-Grid (query tile, sequence, query head). Sequence s owns q rows query_start_loc[s]:[s+1]; its new
-token i sits at position seq_lens[s] - q_len + i. Each program streams the K/V pages its tile can
-see (up to the tile's last position), FlashAttention-style online softmax in fp32, causal mask
-on positions. Tiles past a sequence's q_len exit at once (ragged batches share one grid).
+Grid (query tile, query head) over the ragged batch: each sequence gets cdiv(q_len, BLOCK_M) tiles,
+numbered consecutively; a program finds its sequence by binary search over the tiles' prefix
+sums (computed on the device, so no host sync and a grid sized from shapes alone). Sequence s
+owns q rows query_start_loc[s]:[s+1]; its new token i sits at position seq_lens[s] - q_len + i.
+Each program streams the K/V pages its tile can see (up to the tile's last position) with a
+FlashAttention-style online softmax in fp32 and a causal mask on positions.
 """
 from __future__ import annotations
 
@@ -16,19 +18,34 @@ from .triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, pow2, sca
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, out_ptr, qk_scale,
+def _find_sequence(tile_starts_ptr, pid, NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Largest s with tile_starts[s] <= pid (tile_starts has NUM_SEQS + 1 non-decreasing entries)."""
+    lo = 0
+    hi = NUM_SEQS
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(tile_starts_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_ptr, ks_ptr, vs_ptr, out_ptr,
+                    qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_bt, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = _find_sequence(tile_starts_ptr, pid, NUM_SEQS, SEARCH_STEPS)
+    if seq >= NUM_SEQS:        # the grid is an upper bound on the number of tiles
+        return
+    tile = pid - tl.load(tile_starts_ptr + seq)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
-        return
     seq_len = tl.load(lens_ptr + seq)
     kv_head = head // GROUP
 
@@ -74,7 +91,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_p
 
 
 def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                             k_scale=None, v_scale=None, max_q_len: int | None = None) -> torch.Tensor:
+                             k_scale=None, v_scale=None) -> torch.Tensor:
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -82,19 +99,23 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_
     if total == 0 or num_seqs == 0:
         return out
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
-    if max_q_len is None:   # one host sync; prefill steps are not graph-captured
-        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     fp32 = dot_in_fp32(q)
     block_m, block_n = (32, 32) if fp32 else (64, 64)
     block_tables = block_tables.contiguous()
-    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+    query_start_loc = query_start_loc.contiguous()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    tile_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_starts[1:])
+    # sum of cdiv(q_len, BLOCK_M) <= cdiv(total, BLOCK_M) + num_seqs: a bound that needs no host sync.
+    grid = (triton.cdiv(total, block_m) + num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(),
+        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc, tile_starts,
         scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device), out,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16), BLOCK_SIZE=block_size,
+        NUM_SEQS=num_seqs, SEARCH_STEPS=max(1, num_seqs.bit_length()), GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, IS_FP8=is_fp8(k_cache), DOT_DTYPE=dot_dtype(q),
         PRECISION="ieee" if fp32 else "tf32", num_warps=4 if fp32 else 8, num_stages=2)
     return out

@@ -26,7 +26,7 @@ def _round_to_e4m3(x):
     normal = ((bits + 0x7FFFF + keep_lsb) & -0x100000).to(tl.float32, bitcast=True)
     magic = 12582912.0                               # 1.5 * 2**23: adding it rounds to an integer (RNE)
     ax = tl.abs(x)
-    subnormal = ((ax * 512.0 + magic) - magic) / 512.0  # e4m3 subnormals are multiples of 2**-9
+    subnormal = ((ax * 512.0 + magic) - magic) * 0.001953125  # e4m3 subnormals: multiples of 2**-9
     subnormal = tl.where(bits < 0, -subnormal, subnormal)  # keep the sign bit, even of -0, like torch
     return tl.where(ax < 0.015625, subnormal, normal)
 
@@ -38,7 +38,8 @@ def _write_one(x_ptr, cache_ptr, scale_ptr, token, slot, h, hmask, d, mask, stri
     x = tl.load(x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
     if IS_FP8:
         scale = tl.load(scale_ptr + h, mask=hmask, other=1.0)
-        x = _round_to_e4m3(tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_LIMIT, FP8_LIMIT))
+        # IEEE division (div_rn), as torch does: GPU `/` may be approximate and flip a rounding tie.
+        x = _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
     tl.store(cache_ptr + dst + h[:, None] * stride_ch + d[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
 
