@@ -211,6 +211,9 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
     found, problems = scan_tensors(files, weight_map)
     _raise_if(problems)
     torch_dtype = resolve_dtype(dtype, config, device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # safetensors wants an explicit GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     with torch.device("meta"):
         model = build_model(config)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}

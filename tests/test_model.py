@@ -45,6 +45,7 @@ MODEL_CASES = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     ),
     "tied_embeddings": dict(kind="llama", tie_word_embeddings=True),
+    "llama_attention_bias": dict(kind="llama", attention_bias=True, num_key_value_heads=4),
 }
 
 
@@ -58,7 +59,7 @@ def pair(request, tmp_path_factory):
 def test_config_reads_what_transformers_wrote(pair):
     ours, hf, config = pair
     assert config.model_type == hf.config.model_type
-    assert config.attention_bias == (config.model_type == "qwen2")
+    assert config.attention_bias == (config.model_type == "qwen2" or getattr(hf.config, "attention_bias", False))
     # transformers 5 calls it rope_parameters, 4.x rope_scaling.
     hf_rope = getattr(hf.config, "rope_parameters", None) or getattr(hf.config, "rope_scaling", None) or {}
     assert (config.rope_scaling is not None) == (hf_rope.get("rope_type") == "llama3")

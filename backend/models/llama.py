@@ -41,7 +41,7 @@ class LlamaConfig:
     rope_scaling: dict | None = None  # None, or Llama-3: {"rope_type": "llama3", factor, ...}
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v carry a bias (Qwen2); Llama's flag also covers o_proj
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None
@@ -68,6 +68,8 @@ class LlamaConfig:
                     "num_attention_heads"):
             if not isinstance(raw.get(key), int):
                 raise ConfigError(f"config.json: {key} is missing or not an integer")
+        if raw.get("mlp_bias"):
+            raise ConfigError("config.json: mlp_bias is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         heads = raw["num_attention_heads"]
@@ -174,7 +176,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        o_bias = bias and config.model_type != "qwen2"  # Qwen2 biases q/k/v only
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         T = x.shape[0]
