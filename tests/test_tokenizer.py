@@ -254,3 +254,26 @@ def test_incremental_decoder_flushes_a_cut_off_character(tiny_dir):
     streamed = "".join(decoder.push(i) for i in ids[:cut])
     assert "\ufffd" not in streamed
     assert streamed + decoder.flush() == tok.decode(ids[:cut])
+
+
+def test_incremental_decoding_with_sentencepiece_style_spaces(tmp_path):
+    """Llama-2/Mistral tokenizers mark spaces with '▁' and drop the first one on decode; a token
+    decoded on its own would lose its space, so the decoder must decode with context."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = HFTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    corpus = ["the cat sat on the mat", "a streaming decoder keeps its spaces", "hello world"] * 5
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"],
+                                                        show_progress=False))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = "the streaming cat keeps hello world spaces"
+    ids = tok.encode(text)
+    decoder = IncrementalDecoder(tok)
+    pieces = [decoder.push(i) for i in ids + [tok.token_to_id("</s>")]]
+    assert "".join(pieces) + decoder.flush() == tok.decode(ids) == text
+    assert any(p.startswith(" ") for p in pieces)
+    assert tok.eos_token_ids == {tok.token_to_id("</s>")}
