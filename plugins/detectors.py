@@ -72,7 +72,7 @@ _CN_DOW = r"(?:星期|周)[一二三四五六日天]"
 _CN_TIME = (r"(?:上午|下午|晚上|凌晨|中午|早上)?\s*[0-9]{1,2}(?:[:：][0-9]{2}(?:[:：][0-9]{2})?"
             r"|[时点](?:[0-9]{1,2}分(?:[0-9]{1,2}秒)?|半)?)")
 _CN = (r"(?:" + _CN_DOW + r"[，,\s]*)?[0-9]{4}年[0-9]{1,2}月[0-9]{1,2}[日号]"
-       r"(?:\s*[（(]?" + _CN_DOW + r"[)）]?)?(?:[，,]?\s*" + _CN_TIME + r")?" + _TZ)
+       r"(?:[，,]?\s*[（(]?" + _CN_DOW + r"[)）]?)?(?:[，,]?\s*" + _CN_TIME + r")?" + _TZ)
 
 _DATETIME = "|".join(f"(?:{p})" for p in (_CN, _ISO, _RFC2822, _ENG, _SLASH, _TIME_FIRST,
                                           _CN_TIME + _TZ))
@@ -217,6 +217,8 @@ class Detector:
         if vm.lastgroup == "id" and not any(c.isdigit() for c in text[vs:ve]):
             return None
         ls = w0 + m.start()
+        if text[max(0, ls - 4):ls].lower() == "the ":    # "The current date is …" is one clause
+            ls -= 4
         return Found(vs, ve, text[vs:ve], label, vm.lastgroup, _clause(text, ls, ve))
 
     def _gate(self, text: str, s: int) -> bool:

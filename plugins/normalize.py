@@ -61,7 +61,8 @@ SPEC = {
     "max_moves": Key(int, 32, positive),
     "cache_texts": Key(int, 256, non_negative),       # analyses of recently seen texts
     "canonical_tools": Key(bool, False),
-}
+    "max_chars": Key(int, 262144, positive),          # longer texts are left alone: the hot
+}                                                     # path stays bounded (~10 ms at most)
 
 
 def compile_rules(rules: list) -> list:
@@ -154,6 +155,8 @@ class Normalizer:
                 continue
             for holder, field in _text_fields(msg):
                 text = holder[field]
+                if len(text) > self.cfg["max_chars"]:
+                    continue
                 found = self.plan(text)[:budget - len(moved)]
                 if not found:
                     continue

@@ -190,6 +190,14 @@ def test_max_moves_bounds_the_tail():
     assert "Request ID: r0003x" in body["messages"][0]["content"]
 
 
+def test_texts_over_max_chars_are_left_alone():
+    text = "Current time: 2026-03-15 14:22:31\n" + "Be brief. " * 50
+    assert normalizer(max_chars=len(text)).normalize(chat(text))
+    body = chat(text)
+    assert normalizer(max_chars=len(text) - 1).normalize(body) == []
+    assert body == chat(text)
+
+
 # --- learned detection ---------------------------------------------------------------------
 
 TEMPLATE = ("You are assisting customer #{cust} on plan Pro-3 (v2.1 rules, $29.99/mo).\n"
