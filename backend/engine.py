@@ -104,7 +104,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
                                   num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
                                   attention_backend=args.attention_backend,
-                                  use_cuda_graphs=not args.enforce_eager, max_num_seqs=args.max_num_seqs)
+                                  use_cuda_graphs=not args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()

@@ -46,7 +46,7 @@ def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, *, block_size: int, num_blocks: int,
                  kv_cache_dtype: torch.dtype, attention_backend: str | None = None,
-                 use_cuda_graphs: bool = True, max_num_seqs: int = 64):
+                 use_cuda_graphs: bool = True, max_num_seqs: int = 64, max_model_len: int | None = None):
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -59,7 +59,8 @@ class ModelRunner:
                           for _ in range(model_config.num_hidden_layers)]
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
-            self.graphs = _load_graph_runner(self, max_num_seqs)
+            max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
+            self.graphs = _load_graph_runner(self, max_num_seqs, min(max_blocks, num_blocks))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -115,7 +116,7 @@ class ModelRunner:
         return input_ids, positions, meta, [e - 1 for e in starts[1:]]
 
 
-def _load_graph_runner(runner: ModelRunner, max_num_seqs: int):
+def _load_graph_runner(runner: ModelRunner, max_num_seqs: int, max_blocks_per_seq: int):
     """The kernels helper's CUDA-graph decode runner, when that module is installed."""
     try:
         from prefixgate.backend import cuda_graphs
@@ -125,7 +126,7 @@ def _load_graph_runner(runner: ModelRunner, max_num_seqs: int):
         return cuda_graphs.DecodeGraphRunner(runner.model, runner.kv_caches,
                                              block_size=runner.block_size,
                                              max_num_seqs=max_num_seqs,
-                                             max_blocks_per_seq=runner.num_blocks,
+                                             max_blocks_per_seq=max_blocks_per_seq,
                                              attention_backend=runner.attention_backend)
     except Exception as e:  # graphs are an optimisation: run eagerly rather than not at all
         log.warning("CUDA graphs disabled: %s", e)
