@@ -24,14 +24,16 @@ import torch
 import torch.nn.functional as F
 
 H200_BYTES_PER_S = 4.8e12
+DEVICE = "cuda"          # set by main(); "cpu" under --cpu-smoke
 
 
 def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter in --cpu-smoke."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if torch.cuda.is_available():
+        if DEVICE == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
         return 2
     else:
         device = "cuda"
+    global DEVICE
+    DEVICE = device
     results = {"config": {k: str(v) for k, v in vars(a).items()},
                "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                "torch": torch.__version__}

@@ -150,6 +150,15 @@ def test_prefill_triton(device, dtype, gqa, block_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bf16_triton(device):
+    kw = dict(dtype=torch.bfloat16, device=device, **heads(4))
+    case = make_case(PREFILL_LENS, PREFILL_Q, **kw)
+    assert_close(run_prefill(case, "triton"), naive_attention(case), torch.bfloat16)
+    dec = make_case(DECODE_LENS, [1] * 4, **kw)
+    assert_close(run_decode(dec, "triton"), naive_attention(dec), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefill_triton_multi_tile_with_empty_sequence(device):
     # 70 new tokens span several query tiles; a sequence with no new tokens owns no rows.
     case = make_case([90, 12, 30], [70, 0, 30], device=device, **heads(1))
