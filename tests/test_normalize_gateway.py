@@ -89,3 +89,19 @@ async def test_openai_sdk_sees_the_moved_header(make_standin, make_gateway):
     assert msgs[-1]["role"] == "system" and msgs[-1]["content"].startswith(OPEN)
     assert msgs[1] == {"role": "user", "content": "hi"}
     await client.close()
+
+
+async def test_canonical_tools_serialise_equal_tool_sets_equally(make_standin, make_gateway):
+    up, gw = await _setup(make_standin, make_gateway, canonical_tools=True)
+    a = {"type": "function", "function": {"name": "a_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}}}}
+    b = {"function": {"parameters": {"properties": {"q": {"type": "string"}}, "type": "object"},
+                      "name": "b_search"}, "type": "function"}
+    b_again = {"type": "function", "function": {"name": "b_search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}
+    async with aiohttp.ClientSession() as client:
+        await _post(client, gw, chat("Be brief.", tools=[a, b]))
+        await _post(client, gw, chat("Be brief.", tools=[b_again, a]))
+    sent = [json.dumps(r["json"]["tools"]) for r in up.requests]
+    assert sent[0] == sent[1]
+    assert [t["function"]["name"] for t in up.requests[0]["json"]["tools"]] == ["a_time", "b_search"]
