@@ -156,3 +156,40 @@ def test_prerender_needs_a_tokenizer(tmp_path):
     with pytest.raises(ConfigError) as e:
         Gateway(cfg)
     assert e.value.path == "plugins[0].prerender.block_tokens"
+
+
+class Recorder:
+    """A third-party plugin (loaded as `test_prerender:Recorder`) that keeps what it sees."""
+    name = "recorder"
+    seen: list = []
+
+    def __init__(self, cfg, gw):
+        self.weight = 1.0
+
+    async def on_request(self, ctx):
+        Recorder.seen.append((ctx.tokens, ctx.block_hashes))
+
+
+@pytest.mark.parametrize("inline_chars", [0, 1 << 20])       # in a thread / on the loop
+async def test_tokens_and_block_hashes_reach_the_context(
+        chatml_dir, make_standin, make_gateway, inline_chars):
+    up = await make_standin(tokens=2)
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": up.url}],
+                             "model": {"tokenizer": str(chatml_dir)},
+                             "plugins": [{"prerender": {"inline_chars": inline_chars,
+                                                        "block_tokens": 8}},
+                                         {"test_prerender:Recorder": {}}]})
+    Recorder.seen.clear()
+    tok = Tokenizer.from_dir(chatml_dir)
+    convs = [CONVERSATIONS["one_turn"], CONVERSATIONS["multi_turn"]]
+    async with aiohttp.ClientSession() as client:
+        for messages in convs:
+            async with client.post(gw.url + "/v1/chat/completions",
+                                   json={"model": "m", "messages": messages}) as r:
+                assert r.status == 200
+        async with client.post(gw.url + "/v1/completions",
+                               json={"model": "m", "prompt": "plain text prompt"}) as r:
+            assert r.status == 200
+    expected = [_whole(tok, m) for m in convs] + [tok.encode("plain text prompt")]
+    assert [t for t, _ in Recorder.seen] == expected
+    assert [h for _, h in Recorder.seen] == [block_hash_chain(t, 8) for t in expected]
