@@ -133,6 +133,9 @@ class Gateway:
         return {"max_line_size": limits["max_line_bytes"],
                 "max_field_size": limits["max_header_bytes"],
                 "max_headers": limits["max_headers"],
+                # aiohttp arms this at connect and after each response: it also ends
+                # connections that trickle a request head (header slowloris)
+                "keepalive_timeout": limits["idle_timeout_s"],
                 "shutdown_timeout": self.config["shutdown_timeout_s"]}
 
     async def reload(self, cfg: dict) -> None:

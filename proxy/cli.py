@@ -66,6 +66,7 @@ def load_config(args) -> dict:
 def serve_command(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(not_a_client_error)
     try:
         cfg = load_config(args)
     except ConfigError as e:
@@ -132,6 +133,14 @@ async def serve(cfg: dict, reload_config=None) -> None:
     finally:
         if engines is not None:
             await engines.stop()
+
+
+def not_a_client_error(record: logging.LogRecord) -> bool:
+    """Drop aiohttp's traceback for a malformed request (answered 400): a client's mistake
+    must not flood the gateway's log."""
+    from aiohttp.http_exceptions import HttpProcessingError
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, HttpProcessingError)
 
 
 def with_engines(cfg: dict, engines) -> dict:

@@ -149,6 +149,7 @@ TOP = {
         "max_line_bytes": Key(int, 8190, positive),       # request line; longer → 400
         "max_headers": Key(int, 128, positive),           # header count; more → 400
         "body_timeout_s": Key((int, float), 30.0, positive),   # slow (slowloris) body → 408
+        "idle_timeout_s": Key((int, float), 75.0, positive),   # no complete request head → close
         "max_json_depth": Key(int, 64, positive),         # deeper request JSON → 400
         "validate_fields": Key(bool, True),               # 400 for wrong types of core fields
     }),

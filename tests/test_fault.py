@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 import pytest
 
+from hardening_support import free_port
 from helpers import CHAT, assert_openai_error, event_json, read_events
-from test_health import free_port
 
 
 class BadServer:

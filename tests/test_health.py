@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import aiohttp
 
+from hardening_support import free_port
 from helpers import CHAT
 
 FAST = {"interval_s": 0.1, "timeout_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 2,
         "eject_s": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def chat(client, url, **extra):

@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
-import sys
 import time
 
 import aiohttp
 import pytest
 import yaml
 
-from helpers import CHAT, read_events, event_json
+from hardening_support import serve_process  # noqa: F401  (fixture)
+from helpers import CHAT, event_json, read_events
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.config import ConfigError
 
@@ -73,63 +71,6 @@ async def test_bad_plugin_settings_are_refused_and_the_old_config_stays(make_sta
         assert (await stream(client, gw.url))[0] == "a"
         async with client.get(gw.url + "/metrics") as r:
             assert "prefixgate_ttft_seconds" in await r.text()
-
-
-# --- the real command: signals ---------------------------------------------------------------
-class Serve:
-    """`prefixgate serve --config FILE` in a child process, its URL read from stdout."""
-
-    def __init__(self, path):
-        self.path = path
-        self.proc = None
-        self.url = ""
-        self.output: list[str] = []
-
-    async def start(self):
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config", str(self.path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        while not self.url:
-            line = (await asyncio.wait_for(self.proc.stdout.readline(), 20)).decode()
-            assert line, "serve exited: " + "".join(self.output)
-            self.output.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            self.url = m.group(1) if m else ""
-        asyncio.get_running_loop().create_task(self._drain())
-        return self
-
-    async def _drain(self):
-        async for line in self.proc.stdout:
-            self.output.append(line.decode())
-
-    async def wait_output(self, text, timeout=10):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(text in line for line in self.output):
-                return True
-            await asyncio.sleep(0.05)
-        return False
-
-    def signal(self, sig):
-        os.kill(self.proc.pid, sig)
-
-    async def stop(self):
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
-
-
-@pytest.fixture
-async def serve_process():
-    procs = []
-
-    async def start(path):
-        p = await Serve(path).start()
-        procs.append(p)
-        return p
-    yield start
-    for p in procs:
-        await p.stop()
 
 
 def write(path, cfg):
