@@ -48,12 +48,11 @@ class HashRing:
                     return
 
     def choose(self, key: int, loads: dict[str, float], weights: dict[str, float],
-               load_factor: float, eligible: Callable[[str], bool] = lambda n: True
-               ) -> tuple[str | None, str | None]:
+               total_weight: float, load_factor: float,
+               eligible: Callable[[str], bool] | None = None) -> tuple[str | None, str | None]:
         """(chosen name, home name): the first name on the walk that is in `loads` (the
         candidates), eligible and under its bound; the home is the first candidate met."""
-        total_load = sum(loads.values())
-        total_weight = sum(weights[n] for n in loads)
+        budget = load_factor * (sum(loads.values()) + 1) / total_weight
         home = fallback = None
         for name in self.walk(key):
             load = loads.get(name)
@@ -61,9 +60,8 @@ class HashRing:
                 continue
             if home is None:
                 home = name
-            bound = math.ceil(load_factor * (total_load + 1) * weights[name] / total_weight)
-            if load < bound:
-                if eligible(name):
+            if load < math.ceil(budget * weights[name]):
+                if eligible is None or eligible(name):
                     return name, home
                 if fallback is None:
                     fallback = name

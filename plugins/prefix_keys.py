@@ -34,7 +34,10 @@ def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
         n = min(n, max_blocks)
     if n <= 0:
         return []
-    data = memoryview(array("q", tokens[:n * block_tokens]).tobytes())
+    head = tokens[:n * block_tokens]
+    # a numpy int64 array (the fleet simulator's) already has the bytes array("q") would make
+    data = memoryview(head.tobytes() if getattr(head, "dtype", None) == "int64"
+                      else array("q", head).tobytes())
     step = 8 * block_tokens
     out = []
     h = parent

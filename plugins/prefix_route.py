@@ -90,6 +90,7 @@ class PrefixRoute(Plugin):
         self._members = None          # the gw.upstreams list the ring was built from
         self._ring: HashRing | None = None
         self._weights: dict[str, float] = {}
+        self._uniform = True
         self._spans: DynamicSpans | None = None
         self._normalized: bool | None = None
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
@@ -98,6 +99,9 @@ class PrefixRoute(Plugin):
         self.blocks = Counter("prefixgate_route_prefix_blocks", "Prompt blocks routed (total) "
                               "and, for cache_aware, found in the chosen upstream's index "
                               "(matched)", ["kind"], registry=gw.registry)
+        self._total_blocks = self.blocks.labels("total")       # children bound once: labels()
+        self._matched_blocks = self.blocks.labels("matched")   # costs more than the inc()
+        self._outcomes: dict[str, object] = {}
         gw.registry.register(_RouteCollector(self))
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -192,45 +196,65 @@ class PrefixRoute(Plugin):
             return self._least_loaded(ctx, upstreams, "nokey")
         return self._score_cache_aware(ctx, keys, upstreams)
 
+    def _loads(self, upstreams) -> dict:
+        if self.poller is None:
+            return {u: u.inflight for u in upstreams}
+        return {u: self.poller.load(u) for u in upstreams}
+
     def _score_chwbl(self, ctx, keys: Keys, upstreams):
         chain = keys.chain
         key = chain[min(self.cfg["prefix_blocks"], len(chain)) - 1] if chain else keys.short
+        loads = self._loads(upstreams)
         by_name = {u.name: u for u in upstreams}
-        loads = {u.name: self.load(u) for u in upstreams}
-        eligible = ((lambda n: not self.saturated(by_name[n])) if self.poller is not None
-                    else (lambda n: True))
-        chosen, home = self._ring.choose(key, loads, self._weights, self.cfg["load_factor"],
-                                         eligible)
-        outcome = "home" if chosen == home else "spill"
-        ctx.route_info.update(policy="chwbl", key=f"{key:016x}", home=home, outcome=outcome,
-                              blocks=len(chain), mode=keys.mode)
+        eligible = None
+        if self.poller is not None:
+            eligible = lambda name: not self.saturated(by_name[name])    # noqa: E731
+        total_weight = (len(upstreams) if self._uniform else
+                        sum(self._weights[u.name] for u in upstreams))
+        chosen, home = self._ring.choose(key, {u.name: load for u, load in loads.items()},
+                                         self._weights, total_weight,
+                                         self.cfg["load_factor"], eligible)
+        ctx.route_info.update(policy="chwbl", key=f"{key:016x}", home=home, blocks=len(chain),
+                              mode=keys.mode)
+        self._decided(ctx, "home" if chosen == home else "spill")
         return {by_name[chosen]: 1.0}
 
     def _score_cache_aware(self, ctx, keys: Keys, upstreams):
         c = self.cfg
         n = len(keys.chain)
-        matched = self.index.match(keys.chain)
-        loads = {u: self.load(u) for u in upstreams}
+        matched = ctx.state["prefix_route_matched"] = self.index.match(keys.chain)
+        loads = self._loads(upstreams)
         lightest = min(loads.values())
         abs_t, rel_t = c["balance_abs_threshold"], c["balance_rel_threshold"]
-        eligible = [u for u in upstreams
-                    if not (loads[u] - lightest > abs_t and loads[u] > lightest * rel_t)
-                    and not self.saturated(u)] or upstreams
-        best = max(matched.get(u.name, 0) for u in eligible)
+        good, best, excluded = [], 0, 0
+        for u in upstreams:
+            m = matched.get(u.name)
+            if m is None:
+                continue
+            load = loads[u]
+            if (load - lightest > abs_t and load > lightest * rel_t) or self.saturated(u):
+                excluded = max(excluded, m)          # overloaded: its cache is not worth it
+                continue
+            good.append((u, m))
+            best = max(best, m)
         ctx.route_info.update(policy="cache_aware", blocks=n, best_match=best, mode=keys.mode)
         if best / n >= c["cache_threshold"]:
-            ctx.route_info["outcome"] = "cache"
+            self._decided(ctx, "cache")
             # ties in match go to the lighter upstream (then at random, in the gateway)
-            return {u: matched.get(u.name, 0) / n - 1e-9 * loads[u] for u in eligible}
-        outcome = "balance" if len(eligible) < len(upstreams) else "new"
-        return self._least_loaded(ctx, eligible, outcome, loads)
+            return {u: m / n - 1e-9 * loads[u] for u, m in good}
+        outcome = "balance" if excluded > best and excluded / n >= c["cache_threshold"] else "new"
+        return self._least_loaded(ctx, upstreams, outcome, loads, matched)
 
-    def _least_loaded(self, ctx, upstreams, outcome, loads=None):
-        loads = loads or {u: self.load(u) for u in upstreams}
-        lightest = min(loads[u] for u in upstreams)
+    def _least_loaded(self, ctx, upstreams, outcome, loads=None, matched=None):
+        """The least loaded upstreams (not saturated); among them a partial match wins."""
+        loads = loads or self._loads(upstreams)
+        ok = [u for u in upstreams if not self.saturated(u)] if self.poller else upstreams
+        lightest = min(loads[u] for u in ok or upstreams)
         ctx.route_info.setdefault("policy", self.policy)
-        ctx.route_info["outcome"] = outcome
-        return {u: 1.0 for u in upstreams if loads[u] == lightest}
+        self._decided(ctx, outcome)
+        matched = matched or {}
+        return {u: 1.0 + 1e-6 * matched.get(u.name, 0)
+                for u in ok or upstreams if loads[u] == lightest}
 
     def _sync_members(self) -> None:
         """Rebuild the ring (and prune the index) when the upstream set changed."""
@@ -239,37 +263,45 @@ class PrefixRoute(Plugin):
             return
         self._members = ups
         self._weights = {u.name: float(u.cfg.get("weight", 1.0)) for u in ups}
+        self._uniform = all(w == 1.0 for w in self._weights.values())
         self._ring = HashRing(sorted(self._weights.items()), self.cfg["virtual_nodes"])
         if self.index is not None:
             self.index.retain(self._weights)
 
     # --- after the choice ----------------------------------------------------------------------
-    async def admit(self, ctx) -> None:
-        """Called once the gateway has chosen: record the choice (before any byte returns, so
-        a burst of one prefix family already sees where its first member went)."""
-        self.record(ctx)
-
     def on_first_byte(self, ctx) -> None:
-        if ctx.state.get("prefix_route_recorded") is not ctx.upstream:
-            self.record(ctx)        # a failover moved the request: it is cached there now
+        """The chosen upstream has answered, so it has computed the prompt: remember that.
+
+        Recording now rather than at the choice keeps the index truthful (a request that
+        failed over, or failed, is recorded where it really ran, or not at all).
+        """
+        self.record(ctx)
 
     def record(self, ctx, up=None) -> None:
         up = up or ctx.upstream
         if up is None:
             return
         keys = self.keys(ctx)
-        ctx.state["prefix_route_recorded"] = up
-        outcome = ctx.route_info.get("outcome", "single")
-        self.decisions.labels(self.policy, outcome).inc()
-        self.blocks.labels("total").inc(len(keys.chain))
-        header = f"{self.policy}; outcome={outcome}; blocks={len(keys.chain)}"
-        if "key" in ctx.route_info:
-            header += f"; key={ctx.route_info['key']}; home={ctx.route_info['home']}"
+        self._total_blocks.inc(len(keys.chain))
         if self.index is not None and keys.chain:
-            matched = self.index.match(keys.chain).get(up.name, 0)
-            self.blocks.labels("matched").inc(matched)
-            header += f"; matched={matched}"
+            matched = ctx.state.get("prefix_route_matched")     # from score(), if it ran
+            if matched is None:
+                matched = self.index.match(keys.chain)
+            self._matched_blocks.inc(matched.get(up.name, 0))
             self.index.insert(up.name, keys.chain)
+
+    def _decided(self, ctx, outcome: str) -> None:
+        info = ctx.route_info
+        info["outcome"] = outcome
+        counter = self._outcomes.get(outcome)
+        if counter is None:
+            counter = self._outcomes[outcome] = self.decisions.labels(self.policy, outcome)
+        counter.inc()
+        header = f"{self.policy}; outcome={outcome}; blocks={info.get('blocks', 0)}"
+        if "key" in info:
+            header += f"; key={info['key']}; home={info['home']}"
+        if "best_match" in info:
+            header += f"; matched={info['best_match']}"
         ctx.response_headers["x-prefixgate-route"] = header
 
 

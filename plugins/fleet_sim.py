@@ -1,0 +1,286 @@
+"""Fleet simulator: N backends in one process, routed by the gateway's own code.
+
+Each simulated backend keeps its prefix cache in the engine's own `BlockManager` (paged
+blocks, chained hashes, LRU reuse of freed blocks) and serves with a simple cost model:
+
+    prefill   one at a time per backend, FIFO: overhead + uncached prompt tokens / prefill rate
+    decode    output tokens × (TPOT + a little per running sequence), concurrent
+    limits    max running sequences, and KV blocks (a request waits until its blocks fit)
+
+Routing is a real `Gateway` built from a config with the chosen plugin (`round_robin`,
+`least_inflight`, `prefix_route` chwbl / cache_aware): the same `pick()` and scorer classes
+the server runs, with in-flight counts kept as the simulated requests start and finish.
+
+Reported per policy: token cache hit rate and its ratio to an infinite cache shared by all
+backends (the oracle), TTFT p50/p95/p99, load imbalance (max/mean over backends of requests
+served and of prefill busy time), and the routing decision's cost.
+
+    python -m prefixgate.plugins.fleet_sim --backends 8 --requests 100000
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from prefixgate.backend.block_manager import BlockManager
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config import validate
+from prefixgate.proxy.context import RequestContext
+
+from .fleet_trace import Trace, TraceConfig
+
+POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware")
+
+
+@dataclass
+class CostModel:
+    """Roughly an 8B model on one H100-class GPU."""
+    prefill_tokens_per_s: float = 12_000.0
+    prefill_overhead_s: float = 0.005
+    tpot_s: float = 0.020
+    tpot_per_running_s: float = 0.0001
+    kv_blocks: int = 16_384            # 262k tokens of KV at 16 tokens a block
+    max_running: int = 256
+
+
+def plugins_for(policy: str, cost: CostModel, route: dict | None = None) -> list:
+    if policy in ("round_robin", "least_inflight"):
+        return [policy]
+    if policy not in ("chwbl", "cache_aware"):
+        raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+    # the index remembers as many blocks as a backend's KV cache holds
+    cfg = {"policy": policy, "dynamic_cut": "never", "index_capacity": cost.kv_blocks,
+           **(route or {})}
+    return [{"prefix_route": cfg}]
+
+
+class SimSeq:
+    """The attributes of `backend.sequence.Sequence` that the block manager uses."""
+    __slots__ = ("token_ids", "block_table", "block_hashes", "num_hashed_blocks",
+                 "num_computed_tokens", "num_cached_tokens", "req", "ctx", "arrived", "backend")
+
+    def __init__(self, req, ctx, arrived: float, backend):
+        self.token_ids = req.tokens.tolist()
+        self.block_table: list[int] = []
+        self.block_hashes = list(req.chain)       # the trace hashed them with the same formula
+        self.num_hashed_blocks = 0
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.req, self.ctx, self.arrived, self.backend = req, ctx, arrived, backend
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Backend:
+    def __init__(self, upstream, cost: CostModel, block_tokens: int):
+        self.up = upstream
+        self.bm = BlockManager(cost.kv_blocks, block_tokens)
+        self.queue: deque[SimSeq] = deque()
+        self.prefilling: SimSeq | None = None
+        self.running = 0
+        self.served = 0
+        self.busy_s = 0.0
+
+
+class FleetSim:
+    def __init__(self, backends: int, policy: str, trace: TraceConfig, cost: CostModel | None = None,
+                 route: dict | None = None, seed: int = 0):
+        self.cost = cost or CostModel()
+        self.trace_cfg = trace
+        self.policy = policy
+        self.bt = trace.block_tokens
+        random.seed(seed)                              # the gateway's tie-breaks
+        self.gw = Gateway(validate({
+            "upstreams": [{"name": f"b{i}", "url": f"http://sim-{i}:8000", "max_inflight": 10**9}
+                          for i in range(backends)],
+            "plugins": plugins_for(policy, self.cost, route)}))
+        self.backends = {u.name: Backend(u, self.cost, self.bt) for u in self.gw.upstreams}
+        self.first_byte_hooks = self.gw.chain.on_first_byte
+        self.events: list = []
+        self._n = 0
+        self.ttft: list[float] = []
+        self.pick_s: list[float] = []
+        self.prompt_tokens = self.hit_tokens = self.oracle_hit_tokens = 0
+        self.oracle: set[int] = set()
+
+    # --- the event loop -----------------------------------------------------------------------
+    def _at(self, t: float, kind: int, obj) -> None:
+        self._n += 1
+        heapq.heappush(self.events, (t, self._n, kind, obj))
+
+    def run(self) -> dict:
+        started = time.perf_counter()
+        trace = iter(Trace(self.trace_cfg))
+        nxt = next(trace, None)
+        now = 0.0
+        while nxt is not None or self.events:
+            if nxt is not None and (not self.events or nxt.t <= self.events[0][0]):
+                now = nxt.t
+                self._arrive(nxt, now)
+                nxt = next(trace, None)
+                continue
+            now, _, kind, obj = heapq.heappop(self.events)
+            if kind == 0:
+                self._prefilled(obj, now)
+            else:
+                self._finished(obj, now)
+        return self._report(time.perf_counter() - started, now)
+
+    def _arrive(self, req, now: float) -> None:
+        ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
+        ctx.tokens, ctx.block_hashes = req.tokens, req.chain
+        ctx.state["block_tokens"] = self.bt
+        t0 = time.perf_counter()
+        up = self.gw.pick(ctx)
+        self.pick_s.append(time.perf_counter() - t0)
+        up.inflight += 1
+        ctx.upstream = up
+        self._oracle_lookup(req)
+        b = self.backends[up.name]
+        b.queue.append(SimSeq(req, ctx, now, b))
+        self._try_start(b, now)
+
+    def _try_start(self, b: Backend, now: float) -> None:
+        if b.prefilling is not None or not b.queue or b.running >= self.cost.max_running:
+            return
+        seq = b.queue[0]
+        hits = b.bm.match_prefix(seq)
+        if not b.bm.allocate(seq, len(seq), hits):
+            return                      # KV full of running sequences: wait for one to finish
+        b.queue.popleft()
+        b.prefilling = seq
+        b.running += 1
+        uncached = len(seq) - seq.num_cached_tokens
+        self.prompt_tokens += len(seq)
+        self.hit_tokens += seq.num_cached_tokens
+        dur = self.cost.prefill_overhead_s + uncached / self.cost.prefill_tokens_per_s
+        b.busy_s += dur
+        self._at(now + dur, 0, b)
+
+    def _prefilled(self, b: Backend, now: float) -> None:
+        seq, b.prefilling = b.prefilling, None
+        seq.num_computed_tokens = len(seq)
+        b.bm.cache_full_blocks(seq)
+        self.ttft.append(now - seq.arrived)
+        for hook in self.first_byte_hooks:          # prefix_route records the choice here
+            hook(seq.ctx)
+        c = self.cost
+        self._at(now + len(seq.req.output) * (c.tpot_s + c.tpot_per_running_s * b.running), 1, seq)
+        self._try_start(b, now)
+
+    def _finished(self, seq: SimSeq, now: float) -> None:
+        b = seq.backend
+        history = getattr(seq.req, "history_chain", None)
+        if history is not None:         # a chat turn: its answer heads the next turn's prompt
+            seq.token_ids.extend(seq.req.output.tolist())
+            if b.bm.allocate(seq, len(seq)):
+                seq.block_hashes = list(history)
+                seq.num_computed_tokens = len(seq)
+                b.bm.cache_full_blocks(seq)
+            self.oracle.update(history)
+        b.bm.free(seq)
+        b.running -= 1
+        b.served += 1
+        b.up.inflight -= 1
+        self._try_start(b, now)
+
+    def _oracle_lookup(self, req) -> None:
+        """An infinite cache shared by every backend: every block ever computed is a hit."""
+        usable = (len(req.tokens) - 1) // self.bt
+        hit = 0
+        oracle = self.oracle
+        for h in req.chain[:usable]:
+            if h not in oracle:
+                break
+            hit += 1
+        self.oracle_hit_tokens += hit * self.bt
+        oracle.update(req.chain)
+
+    # --- results ------------------------------------------------------------------------------
+    def _report(self, wall_s: float, sim_s: float) -> dict:
+        ttft = np.array(self.ttft)
+        served = np.array([b.served for b in self.backends.values()], dtype=float)
+        busy = np.array([b.busy_s for b in self.backends.values()])
+        hit = self.hit_tokens / self.prompt_tokens
+        oracle = self.oracle_hit_tokens / self.prompt_tokens
+        pick_us = np.array(self.pick_s) * 1e6
+        return {
+            "policy": self.policy, "backends": len(self.backends), "requests": len(ttft),
+            "hit_rate": hit, "oracle_hit_rate": oracle, "hit_vs_oracle": hit / oracle,
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p95_s": float(np.percentile(ttft, 95)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "load_max_mean_requests": float(served.max() / served.mean()),
+            "load_max_mean_busy": float(busy.max() / busy.mean()),
+            "utilization": float(busy.mean() / sim_s),
+            "pick_us_p50": float(np.percentile(pick_us, 50)),
+            "pick_us_p99": float(np.percentile(pick_us, 99)),
+            "sim_seconds": sim_s, "wall_seconds": wall_s,
+        }
+
+
+def rate_for(load: float, backends: int, cost: CostModel, trace: TraceConfig) -> float:
+    """Arrival rate at which uncached prefill work = `load` × the fleet's prefill capacity."""
+    sample = TraceConfig(**{**asdict(trace), "requests": 5000})
+    mean_tokens = np.mean([len(r.tokens) for r in Trace(sample)])
+    return load * backends * cost.prefill_tokens_per_s / mean_tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.fleet_sim",
+                                description="Simulate a fleet of prefix-caching backends "
+                                            "under the gateway's routing policies")
+    p.add_argument("--backends", type=int, default=8)
+    p.add_argument("--requests", type=int, default=100_000)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--load", type=float, default=1.0,
+                   help="offered prefill work without any cache, as a fraction of capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--route", default="{}", help="extra prefix_route settings, as JSON")
+    for f in fields(CostModel):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    p.add_argument("--json", help="save results and the settings used to this file")
+    args = p.parse_args(argv)
+    cost = CostModel(**{f.name: getattr(args, f.name) for f in fields(CostModel)})
+    trace = TraceConfig(requests=args.requests, seed=args.seed)
+    trace.rate = rate_for(args.load, args.backends, cost, trace)
+    route = json.loads(args.route)
+    results = []
+    for policy in args.policies.split(","):
+        r = FleetSim(args.backends, policy, trace, cost, route, args.seed).run()
+        results.append(r)
+        print(_row(r), flush=True)
+    base = next((r for r in results if r["policy"] == "round_robin"), None)
+    if base is not None:
+        for r in results:
+            if r is not base:
+                print(f"{r['policy']:>15}: p95 TTFT {base['ttft_p95_s'] / r['ttft_p95_s']:.1f}x "
+                      f"better than round_robin, hit rate {r['hit_vs_oracle']:.0%} of the oracle")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": {"backends": args.backends, "load": args.load,
+                                    "trace": asdict(trace), "cost": asdict(cost), "route": route},
+                       "results": results}, f, indent=2)
+    return 0
+
+
+def _row(r: dict) -> str:
+    return (f"{r['policy']:>15}  hit {r['hit_rate']:6.1%} (oracle {r['oracle_hit_rate']:.1%}, "
+            f"{r['hit_vs_oracle']:5.1%})  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms  "
+            f"p95 {r['ttft_p95_s'] * 1e3:8.1f} ms  p99 {r['ttft_p99_s'] * 1e3:8.1f} ms  "
+            f"load max/mean {r['load_max_mean_requests']:.2f} req, {r['load_max_mean_busy']:.2f} "
+            f"busy  util {r['utilization']:.0%}  pick {r['pick_us_p50']:.0f} us  "
+            f"wall {r['wall_seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
