@@ -129,3 +129,16 @@ def test_cuda_graph_decode_matches_eager(model_dir):
             query_start_loc=torch.arange(4, dtype=torch.int32, device="cuda"), max_seq_len=0, is_decode=True)
         assert graphs.can_run(meta)
         torch.testing.assert_close(graphs.run(ids, pos, meta), eager, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_graphs_refuse_what_cannot_be_captured(model_dir):
+    """The reference path reads lengths on the host and CPU tensors have no graphs: both are
+    refused up front (the model runner then runs eagerly) instead of failing mid-capture."""
+    from prefixgate.backend.cuda_graphs import DecodeGraphRunner, default_batch_sizes
+    model, cfg = load_model(model_dir)
+    caches = [(torch.zeros(4, 16, cfg.num_key_value_heads, cfg.head_dim),) * 2]
+    with pytest.raises(ValueError, match="Triton"):
+        DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=4, max_blocks_per_seq=4, attention_backend="torch")
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=4, max_blocks_per_seq=4)
+    assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
