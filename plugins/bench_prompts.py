@@ -152,6 +152,45 @@ def bench_prerender(tokenizer, sizes, n: int) -> dict:
     return out
 
 
+async def bench_loop_stall(model_dir, tokenizer, size: int, n: int) -> dict:
+    """Longest event-loop stall while prerender handles cold (uncached) long prompts, with the
+    work inline on the loop vs in a thread (`inline_chars`)."""
+    from prefixgate.proxy.app import Gateway
+    from prefixgate.proxy.config import validate
+    from prefixgate.proxy.context import RequestContext
+
+    systems = [make_system_prompt(tokenizer, size, seed=100 + i) for i in range(2 * n)]
+    out = {}
+    for k, (mode, inline) in enumerate((("inline", 1 << 30), ("thread", 8192))):
+        gw = Gateway(validate({"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}],
+                               "model": {"tokenizer": str(model_dir)},
+                               "plugins": [{"prerender": {"inline_chars": inline}}]}))
+        plugin = gw.chain.plugins[0]
+        stalls, done = [], False
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                stalls.append(now - last)
+                last = now
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        for i in range(n):          # a new system prompt each time: always a cache miss
+            system = systems[k * n + i]
+            ctx = RequestContext(request_id=str(i), path="/v1/chat/completions", headers={},
+                                 body={"model": "m", "messages": [
+                                     {"role": "system", "content": system},
+                                     {"role": "user", "content": "hi"}]})
+            await plugin.on_request(ctx)
+        done = True
+        await task
+        out[mode] = {"max_stall_ms": max(stalls) * 1e3,
+                     "p99_stall_ms": sorted(stalls)[int(0.99 * (len(stalls) - 1))] * 1e3}
+    return out
+
+
 async def _ttft(client, url: str, body: dict) -> float:
     t0 = time.perf_counter()
     async with client.post(url + "/v1/chat/completions", json=body) as r:
@@ -229,12 +268,18 @@ def main(argv=None) -> int:
               f"warm cache {r['warm_cache']['median_ms']:.3f} ms, speedup {r['speedup']:.1f}x "
               f"(first miss {r['first_miss_ms']:.2f} ms)   target >= 20x")
 
+    try:
+        import uvloop  # noqa: F401 - same loop as the gateway uses in production
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    results["loop_stall"] = st = run(bench_loop_stall(model_dir, tok, 10000, 5))
+    print("event-loop stall while prerender tokenizes cold 10k-token prompts")
+    for mode in ("inline", "thread"):
+        print(f"  {mode:>6}: longest stall {st[mode]['max_stall_ms']:.1f} ms "
+              f"(p99 {st[mode]['p99_stall_ms']:.1f} ms)")
+
     if not args.skip_ttft:
-        try:
-            import uvloop  # noqa: F401 - same loop as the gateway uses in production
-            run = uvloop.run
-        except ImportError:
-            run = asyncio.run
         results["ttft"] = t = run(bench_ttft(model_dir, tok, args.ttft_n))
         print(f"TTFT through the gateway, bundled engine (demo model, {t['system_tokens']}-token "
               f"system prompt, timestamp at its head)")

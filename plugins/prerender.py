@@ -62,6 +62,21 @@ def special_strings(tok) -> list[str]:
     return sorted((s for s in out if s), key=len, reverse=True)
 
 
+def gil_free_encoder(tok, min_chars: int = 4096):
+    """`tok.encode`, except that long texts go through `encode_batch`, which releases the GIL
+    while it works (plain `encode` holds it): a long tokenization in a worker thread then no
+    longer stalls the event loop. Same ids either way."""
+    inner = getattr(tok, "_tok", None)      # the wrapped tokenizers.Tokenizer
+    if inner is None or not hasattr(inner, "encode_batch"):
+        return tok.encode
+
+    def encode(text: str) -> list[int]:
+        if len(text) < min_chars:
+            return tok.encode(text)
+        return inner.encode_batch([text], add_special_tokens=False)[0].ids
+    return encode
+
+
 @dataclass(slots=True)
 class Prefix:
     text: str                  # rendered prefix, cut after its last special token ("" = no split)
@@ -86,6 +101,7 @@ class PromptCache:
         self.block_tokens = block_tokens
         self.max_entries = max_entries
         self.specials = special_strings(tokenizer)
+        self.encode = gil_free_encoder(tokenizer)
         self.entries: OrderedDict[int, Prefix] = OrderedDict()
 
     @staticmethod
@@ -135,11 +151,11 @@ class PromptCache:
         return self._learn(key, full, messages[:n], tools, kwargs)
 
     def _whole(self, full: str, how: str) -> Rendered:
-        ids = self.tok.encode(full)
+        ids = self.encode(full)
         return Rendered(full, ids, continue_chain(ROOT_HASH, ids, self.block_tokens), how)
 
     def _split(self, full: str, entry: Prefix) -> Rendered:
-        tail = self.tok.encode(full[len(entry.text):])
+        tail = self.encode(full[len(entry.text):])
         ids = entry.ids + tail
         done = len(entry.hashes) * self.block_tokens
         parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
@@ -153,9 +169,9 @@ class PromptCache:
         entry = Prefix("", [], [])
         text = self._prefix_text(prefix_msgs, tools, kwargs)
         if text and full.startswith(text):
-            ids = self.tok.encode(text)
+            ids = self.encode(text)
             if whole.tokens[:len(ids)] == ids and \
-                    self.tok.encode(full[len(text):]) == whole.tokens[len(ids):]:
+                    self.encode(full[len(text):]) == whole.tokens[len(ids):]:
                 nb = len(ids) // self.block_tokens
                 entry = Prefix(text, ids, whole.block_hashes[:nb])
         if not entry.text:
@@ -213,7 +229,7 @@ class Prerender(Plugin):
         ids = prompt_token_ids(body)
         prompt = body.get("prompt")
         if ids is None and isinstance(prompt, str):
-            ids = await self._maybe_thread(len(prompt), self.cache.tok.encode, prompt)
+            ids = await self._maybe_thread(len(prompt), self.cache.encode, prompt)
         if ids is not None:
             ctx.tokens = ids
             ctx.block_hashes = continue_chain(ROOT_HASH, ids, self.cache.block_tokens)

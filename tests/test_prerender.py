@@ -52,6 +52,8 @@ CONVERSATIONS = {
                                {"role": "user", "content": "  \n leading spaces"}],
     "multi_turn": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "天气?"},
                    {"role": "assistant", "content": "晴。"}, {"role": "user", "content": "谢谢"}],
+    "long": [{"role": "system", "content": SYSTEM * 4},            # > 4096 chars: encode_batch
+             {"role": "user", "content": "长问题？ " * 1200}],
     "two_system": [{"role": "system", "content": SYSTEM}, {"role": "system", "content": "Extra."},
                    {"role": "user", "content": "ok"}],
 }
