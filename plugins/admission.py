@@ -95,7 +95,7 @@ class Admission(Plugin):
 
     # --- hooks -----------------------------------------------------------------------------
     async def admit(self, ctx) -> None:
-        if self.waiting >= self.cfg["max_queue"] and self.cfg["max_queue"] >= 0:
+        if self.waiting >= self.cfg["max_queue"]:
             if self._try_now(ctx):
                 return
             self.rejected["queue_full"] += 1
@@ -149,7 +149,7 @@ class Admission(Plugin):
             queue = self.queues[long]
             while queue and self._lane_has_room(long):
                 w = queue[0]
-                if w.dead:
+                if w.dead or w.fut.done():        # gone; its admit() does the counting
                     heapq.heappop(queue)
                     continue
                 up = self._upstream_for(w.ctx)
