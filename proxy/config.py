@@ -129,6 +129,7 @@ TOP = {
         "port": Key(int, 8080, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
     }),
     "upstreams": Key(list, list),
+    "discovery": Key(dict, None),          # DNS discovery of more upstreams (proxy/discovery.py)
     "bundled": Key(dict, None, nested={
         "model": Key(str, "demo"),             # a model dir, or "demo" for the built-in model
         "instances": Key(int, 1, positive),    # engine processes (more than one needs a router)
@@ -195,8 +196,12 @@ def validate(raw: Any) -> dict:
     from . import auth, health        # their modules own their key specs
     cfg["health"] = check(cfg["health"], health.SPEC, "health")
     cfg["auth"] = auth.validate(cfg["auth"])
-    if not cfg["upstreams"] and cfg["bundled"] is None:
-        raise ConfigError("upstreams", "required (a list of {name, url}), or `bundled:`")
+    if cfg["discovery"] is not None:
+        from . import discovery
+        cfg["discovery"] = discovery.validate(cfg["discovery"], cfg["timeouts"])
+    if not cfg["upstreams"] and cfg["bundled"] is None and cfg["discovery"] is None:
+        raise ConfigError("upstreams", "required (a list of {name, url}), `discovery:` "
+                                       "or `bundled:`")
     for i, item in enumerate(cfg["plugins"]):
         if not (isinstance(item, dict) and len(item) == 1) and not isinstance(item, str):
             raise ConfigError(f"plugins[{i}]", "must be a plugin name or a one-key mapping "
