@@ -16,6 +16,7 @@ from . import guard, h1pool, plugin as plugins
 from .auth import Auth
 from .context import RequestContext
 from .errors import HTTPError
+from .discovery import Discovery
 from .health import Health
 from .reload import TrackingRegistry, build_chain
 from .upstream import Upstream
@@ -57,6 +58,7 @@ class Gateway:
         self.upstreams = [Upstream(u, self.on_connect) for u in config["upstreams"]]
         self.retries = config["retries"]
         self.health = Health(config["health"], self)
+        self.discovery = Discovery(config.get("discovery"), self)
         self.auth = Auth(config["auth"])
         self.chain = build_chain(self, config["plugins"])
 
@@ -65,12 +67,14 @@ class Gateway:
         for up in self.upstreams:
             await up.start()
         await self.health.start()
+        await self.discovery.start()
         for start in self.chain.start:
             await start()
 
     async def close(self) -> None:
         for close in self.chain.close:
             await close()
+        await self.discovery.close()
         await self.health.close()
         for up in self.upstreams:
             await up.close()
