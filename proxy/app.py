@@ -128,7 +128,7 @@ class Gateway:
         """/metrics and /health for `admin_listen:` (kept off the public address)."""
         app = web.Application(middlewares=[self._errors_middleware])
         app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/health", self.handle_health_detail)
         return app
 
     def server_kw(self) -> dict:
@@ -422,10 +422,19 @@ class Gateway:
         return web.json_response({"object": "list", "data": list(merged.values())})
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        ups = {u.name: self.health.report(u) for u in self.upstreams}
+        # with an admin address, the public /health says only up or down: upstream names,
+        # addresses and errors are for operators
+        return self._health(detail=self.config.get("admin_listen") is None)
+
+    async def handle_health_detail(self, request: web.Request) -> web.Response:
+        return self._health(detail=True)
+
+    def _health(self, detail: bool) -> web.Response:
         ok = any(u.healthy for u in self.upstreams)
-        return web.json_response({"status": "ok" if ok else "unavailable", "upstreams": ups},
-                                 status=200 if ok else 503)
+        body: dict = {"status": "ok" if ok else "unavailable"}
+        if detail:
+            body["upstreams"] = {u.name: self.health.report(u) for u in self.upstreams}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry),

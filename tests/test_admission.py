@@ -199,3 +199,23 @@ async def test_waiter_is_re_picked_when_its_upstream_leaves(make_standin, make_g
         assert status == 200 and headers["x-prefixgate-upstream"] == "b"
         await held
     assert arrivals(b, "tag") and not arrivals(a, "tag")
+
+
+async def test_api_key_priority_overrides_the_header(make_standin, make_gateway):
+    up = await make_standin(first_delay=0.15)
+    gw = await make_gateway({"upstreams": [{"url": up.url}],
+                             "auth": {"api_keys": [{"key": "sk-vip-key-123", "priority": 50},
+                                                   {"key": "sk-std-key-123"}]},
+                             "plugins": [{"admission": {"max_inflight": 1}}]})
+    std = {"Authorization": "Bearer sk-std-key-123"}
+    vip = {"Authorization": "Bearer sk-vip-key-123", "x-prefixgate-priority": "-100"}
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.create_task(chat(client, gw.url, headers=std, tag="first"))
+        await asyncio.sleep(0.05)
+        tasks = []
+        for tag, headers in (("std1", {**std, "x-prefixgate-priority": "10"}), ("vip", vip)):
+            tasks.append(asyncio.create_task(chat(client, gw.url, headers=headers, tag=tag)))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(first, *tasks)
+    order = sorted(arrivals(up, "tag").items(), key=lambda kv: kv[1])
+    assert [tag for tag, _ in order] == ["first", "vip", "std1"]

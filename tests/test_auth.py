@@ -211,7 +211,9 @@ async def test_admin_listen_moves_metrics_off_the_public_address(standin):
             async with client.get(admin_url + "/metrics") as r:
                 assert r.status == 200 and "prefixgate_ttft_seconds" in await r.text()
             async with client.get(admin_url + "/health") as r:
-                assert r.status == 200
+                assert r.status == 200 and "upstreams" in await r.json()
+            async with client.get(url + "/health") as r:         # public: up or down only
+                assert r.status == 200 and await r.json() == {"status": "ok"}
     finally:
         await admin.cleanup()
         await runner.cleanup()

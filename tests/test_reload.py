@@ -73,6 +73,24 @@ async def test_bad_plugin_settings_are_refused_and_the_old_config_stays(make_sta
             assert "prefixgate_ttft_seconds" in await r.text()
 
 
+async def test_reload_turns_auth_on_and_keeps_rate_limit_state(make_standin, make_gateway):
+    a = await make_standin()
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}]})
+    limited = {"key": "sk-reload-key-1", "rate_limit": {"requests_per_minute": 6, "burst": 2}}
+    cfg = {"upstreams": [{"name": "a", "url": a.url}], "auth": {"api_keys": [limited]}}
+    await gw.gateway.reload(config_mod.validate(cfg))
+    key = {"Authorization": "Bearer sk-reload-key-1"}
+    async with aiohttp.ClientSession() as client:
+        async def status(headers):
+            async with client.post(gw.url + "/v1/chat/completions", json=CHAT,
+                                   headers=headers) as r:
+                return r.status
+        assert await status({}) == 401
+        assert await status(key) == 200
+        await gw.gateway.reload(config_mod.validate(cfg))       # same key: bucket carried over
+        assert [await status(key) for _ in range(2)] == [200, 429]
+
+
 def write(path, cfg):
     path.write_text(yaml.safe_dump(cfg))
 
