@@ -59,7 +59,7 @@ SPEC = {
     "load_factor": Key((int, float), 1.25, lambda v: None if v > 1 else "must be > 1"),
     "virtual_nodes": Key(int, 160, positive),     # per unit of upstream weight
     "index_capacity": Key(int, 65536, positive),  # cache_aware: blocks remembered per upstream
-    "cache_threshold": Key((int, float), 0.5, _fraction),
+    "cache_threshold": Key((int, float), 0.3, _fraction),
     "balance_abs_threshold": Key((int, float), 8, non_negative),
     "balance_rel_threshold": Key((int, float), 1.5, _at_least_one),
     "poll_metrics_s": Key((int, float), 0, non_negative),   # 0: gateway in-flight counts only
