@@ -227,7 +227,10 @@ class Gateway:
         except HTTPError as e:
             error = e
             ctx.status = e.status
-            return e.response(self._our_headers(ctx))
+            resp = e.response(self._our_headers(ctx))
+            if e.headers.get("Connection") == "close":
+                resp.force_close()        # e.g. a trickled body: don't wait for the rest
+            return resp
         except (asyncio.CancelledError, ClientGone) as e:
             error = e
             ctx.status = 499          # nginx's "client closed request"

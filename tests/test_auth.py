@@ -162,8 +162,8 @@ async def test_trickled_body_times_out_408(limited):
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
     await writer.drain()
-    head = await asyncio.wait_for(reader.read(200), 3)
-    assert head.startswith(b"HTTP/1.1 408")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
     writer.close()
 
 
