@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
+from itertools import accumulate
 from dataclasses import dataclass
 
 TYPES = ("datetime", "epoch", "uuid", "ulid", "jwt", "token", "id")
@@ -90,11 +91,12 @@ ID_VALUE = re.compile(rf"(?P<uuid>{_UUID}){_END}|(?P<jwt>{_JWT}){_END}|(?P<ulid>
 BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT)}
 
 # A digit-bearing token: starts at a digit (a fast C scan), extended left in Python.
-_TOKEN_RE = re.compile(r"[0-9](?:[0-9A-Za-z_+/=.:\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?")
+_TOKEN_SPLIT = re.compile(r"([0-9](?:[0-9A-Za-z_+/=.:\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?)")
 _LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _TRIM = ".:-/+_"
 _CODE = re.compile(r"```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]+`"
                    r"|<(tools|functions|tool_definitions)>.*?(?:</\1>|\Z)", re.S)
+_CODE_MARKS = ("`", "~~~", "<tools>", "<functions>", "<tool_definitions>")
 _SEP = (r"(?P<sep>(?:\s*(?:\([^()\n]{1,24}\)|（[^（）\n]{1,24}）))?\s*(?:\*\*|__)?"
         r"\s*(?:(?:is|was)\b\s*:?|[:：=]|是|为|為)?\s*(?:\*\*|__)?\s*(?:北京时间|本地时间)?)")
 _PRE = r"(?P<pre>(?:[A-Za-z]{3,9}\.?,?\s+){0,2}|" + _CN_DOW + r"[，,\s]*|上午|下午|晚上|凌晨|中午|早上)"
@@ -131,25 +133,48 @@ class Found:
 
 
 def code_spans(text: str) -> list[tuple[int, int]]:
-    """Fenced and inline code, and embedded tool definitions: never rewritten."""
-    if "`" not in text and "~~~" not in text and "<" not in text:
+    """Fenced and inline code, and embedded tool definitions: never rewritten.
+
+    Same spans as `_CODE.finditer(text)`, but the regex is tried only where a str.find
+    (memchr speed) saw a backtick, `~~~` or a tools tag, instead of at every character."""
+    starts = []
+    for mark in _CODE_MARKS:
+        i = text.find(mark)
+        while i >= 0:
+            starts.append(i)
+            i = text.find(mark, i + 1)
+    if not starts:
         return []
-    return [m.span() for m in _CODE.finditer(text)]
+    out, pos = [], 0
+    for i in sorted(starts):
+        if i >= pos:
+            m = _CODE.match(text, i)
+            if m:
+                out.append(m.span())
+                pos = m.end()
+    return out
+
+
+def scan(text: str) -> tuple[list[tuple[int, int]], list[str], list[str]]:
+    """All digit-bearing tokens: (spans, the static pieces between them, the token texts).
+
+    One C-level split does the work; a token starts at a digit, and `Detector.find` extends it
+    left over letters where a type needs that. `statics` has one piece more than `values`.
+    """
+    parts = _TOKEN_SPLIT.split(text)
+    ends = list(accumulate(map(len, parts)))
+    spans = list(zip(ends[0::2], ends[1::2]))
+    return spans, parts[0::2], parts[1::2]
 
 
 def tokens(text: str, code: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Spans of digit-bearing tokens outside code, in order. A token starts at a digit (one
-    fast C scan); `Detector.find` extends it left over letters where a type needs that."""
-    spans = [m.span() for m in _TOKEN_RE.finditer(text)]
-    if not code:
-        return spans
-    starts = [s for s, _ in code]
-    out = []
-    for s, e in spans:
-        i = bisect_right(starts, s) - 1
-        if i < 0 or s >= code[i][1]:
-            out.append((s, e))
-    return out
+    """Spans of digit-bearing tokens outside code, in order."""
+    return [sp for sp in scan(text)[0] if not (code and _inside_sorted(code, sp[0]))]
+
+
+def _inside_sorted(code: list[tuple[int, int]], pos: int) -> bool:
+    i = bisect_right(code, (pos, 1 << 62)) - 1
+    return i >= 0 and pos < code[i][1]
 
 
 def word_start(text: str, s: int) -> int:
@@ -176,16 +201,42 @@ class Detector:
         self.rules = list(rules)      # [(compiled regex, label)]
 
     def find(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
-        """Labelled and bare typed values, then custom rules; sorted, non-overlapping."""
+        """Labelled and bare typed values, then custom rules; sorted, non-overlapping.
+        The loop runs once per digit-bearing token, so its common path is kept inline."""
         found: list[Found] = []
         covered = -1
+        left, gate_chars, gate_words = _LEFT, self.gate_chars, self.gate_words
+        letters, bare = _ASCII_LETTERS, self.bare
         for s, e in toks:
+            if s < covered or (code and _inside_sorted(code, s)):
+                continue
+            while s > 0 and text[s - 1] in left:          # "req_8f3a", "e3b0c442-…"
+                s -= 1
+            while text[s] in "-_":
+                s += 1
             if s < covered:
                 continue
-            s = word_start(text, s)
-            if s < covered:
-                continue
-            hit = self._labelled(text, s, e) or self._bare(text, s, e)
+            # gate: could what precedes the token end a label? (a separator, a label's last
+            # word or character, or a word a date starts with: "is", "March", "Tue")
+            j = s - 1
+            while j >= 0 and text[j] in " \t\n":
+                j -= 1
+            hit = None
+            if j >= 0:
+                c = text[j]
+                if c in ",，" and j > 0:                   # "Sun, 15 Mar" / "星期日，2026年"
+                    j -= 1
+                    c = text[j]
+                if c in gate_chars:
+                    hit = self._labelled(text, s, e)
+                elif c in letters:
+                    k = j
+                    while k >= 0 and text[k] in letters and j - k < 12:
+                        k -= 1
+                    if text[k + 1:j + 1].lower() in gate_words:
+                        hit = self._labelled(text, s, e)
+            if hit is None and bare and e - s >= 26:      # the shortest bare type is 26 chars
+                hit = self._bare(text, s, e)
             if hit is not None:
                 found.append(hit)
                 covered = hit.end
@@ -194,8 +245,6 @@ class Detector:
         return found
 
     def _labelled(self, text: str, s: int, e: int) -> Found | None:
-        if not self._gate(text, s):
-            return None
         w0 = max(0, s - WINDOW)
         window = text[w0:s]
         m = self.label.search(window)
@@ -221,30 +270,7 @@ class Detector:
             ls -= 4
         return Found(vs, ve, text[vs:ve], label, vm.lastgroup, _clause(text, ls, ve))
 
-    def _gate(self, text: str, s: int) -> bool:
-        """Cheap test that what precedes a token could end a label: a separator, a label's
-        last word or character, or a word that starts a date ("is", "March", "Tue")."""
-        j = s - 1
-        while j >= 0 and text[j] in " \t\n":
-            j -= 1
-        if j < 0:
-            return False
-        c = text[j]
-        if c in ",，" and j > 0:            # "Sun, 15 Mar" / "星期日，2026年"
-            j -= 1
-            c = text[j]
-        if c in self.gate_chars:
-            return True
-        if c in _ASCII_LETTERS:
-            k = j
-            while k >= 0 and text[k] in _ASCII_LETTERS and j - k < 12:
-                k -= 1
-            return text[k + 1:j + 1].lower() in self.gate_words
-        return False
-
     def _bare(self, text: str, s: int, e: int) -> Found | None:
-        if e - s < 26:                       # the shortest bare type (ULID) is 26 chars
-            return None
         for t, rx in self.bare:
             if rx.fullmatch(text, s, e):
                 return Found(s, e, text[s:e], context_label(text, s), t)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import xxhash
-
 
 class Template:
     __slots__ = ("first", "seen", "learned")
@@ -27,14 +25,11 @@ class Template:
         self.learned: frozenset[int] = frozenset()
 
 
-def template_key(text: str, toks: list[tuple[int, int]]) -> int:
-    """xxh3 of the text with its slots cut out (slot boundaries kept as NUL)."""
-    parts, prev = [], 0
-    for s, e in toks:
-        parts.append(text[prev:s])
-        prev = e
-    parts.append(text[prev:])
-    return xxhash.xxh3_64_intdigest("\0".join(parts).encode("utf-8", "surrogatepass"))
+def template_key(statics: list[str]) -> int:
+    """A prompt template's key: the text's static pieces, i.e. the text with its slots cut out.
+    Python's own str hash (cached on each string, salted per process) is enough: the learner
+    lives in one process, and pieces reused from a cached analysis hash for free."""
+    return hash(tuple(statics))
 
 
 class Learner:

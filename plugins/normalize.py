@@ -26,9 +26,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prefixgate.proxy.config import ConfigError, Key, one_of, positive, non_negative
 from prefixgate.proxy.plugin import Plugin
 
-from .detectors import (BARE, TYPES, Detector, Found, code_spans, context_label, tokens,
-                        word_start)
+from .detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
+                        scan, word_start)
 from .learner import Learner, template_key
+from .suffix_reuse import reuse
+
+REUSE_MIN_CHARS = 4096      # shorter texts are scanned whole: reuse would not pay
+REUSE_KEY_CHARS = 256       # texts ending in the same 256 chars are tried for reuse
+REUSE_TEXTS = 32            # recent texts kept for reuse (each holds its text and analysis)
 
 OPEN, CLOSE = "<dynamic_context>", "</dynamic_context>"
 _JOIN_GAP = frozenset(" \tT,，/-:：年月日时分秒")    # between two varying slots of one value
@@ -86,10 +91,10 @@ def compile_rules(rules: list) -> list:
 
 class _Analysis:
     """What a text contains, independent of other requests (cached by the text's hash)."""
-    __slots__ = ("toks", "found", "key")
+    __slots__ = ("toks", "values", "code", "found", "key")
 
-    def __init__(self, toks, found, key):
-        self.toks, self.found, self.key = toks, found, key
+    def __init__(self, toks, values, code, found, key):
+        self.toks, self.values, self.code, self.found, self.key = toks, values, code, found, key
 
 
 class Normalizer:
@@ -104,6 +109,7 @@ class Normalizer:
         self.roles = frozenset(cfg["roles"])
         self.cache: OrderedDict[int, _Analysis] = OrderedDict()
         self.seen_once: OrderedDict[int, None] = OrderedDict()   # text hashes, no analysis
+        self.recent: OrderedDict[int, tuple] = OrderedDict()      # by ending: suffix_reuse
 
     # --- one text ------------------------------------------------------------------------------
     def analyze(self, text: str) -> _Analysis:
@@ -113,10 +119,9 @@ class Normalizer:
             self.cache.move_to_end(h)
             return a
         code = code_spans(text)
-        toks = tokens(text, code)
-        found = self.detector.find(text, toks, code)
-        key = template_key(text, toks) if self.learner is not None and toks else 0
-        a = _Analysis(toks, found, key)
+        toks, statics, values, found = self._scan(text, code)
+        key = template_key(statics) if self.learner is not None and toks else 0
+        a = _Analysis(toks, values, code, found, key)
         if self.cfg["cache_texts"]:
             # cache a text the second time it is seen: one carrying a fresh timestamp never
             # repeats, and caching it would only evict the static prompts that do
@@ -131,15 +136,33 @@ class Normalizer:
                     self.seen_once.popitem(last=False)
         return a
 
+    def _scan(self, text: str, code):
+        """Tokens, static pieces, values and typed finds: from a recent text with the same
+        ending when one shares enough (`suffix_reuse`), else from scratch."""
+        if len(text) < REUSE_MIN_CHARS or self.detector.rules:
+            toks, statics, values = scan(text)
+            return toks, statics, values, self.detector.find(text, toks, code)
+        sk = hash(text[-REUSE_KEY_CHARS:])
+        prev = self.recent.get(sk)
+        got = reuse(text, code, *prev, self.detector) if prev is not None else None
+        if got is None:
+            toks, statics, values = scan(text)
+            got = toks, statics, values, self.detector.find(text, toks, code)
+        self.recent[sk] = (text, *got[:3], got[3], code)
+        self.recent.move_to_end(sk)
+        if len(self.recent) > REUSE_TEXTS:
+            self.recent.popitem(last=False)
+        return got
+
     def plan(self, text: str) -> list[Found]:
         """Everything to move from `text`: typed finds, then learned slots they do not cover."""
         a = self.analyze(text)
         if self.learner is None or not a.toks:
             return a.found
-        learned = self.learner.observe(a.key, [text[s:e] for s, e in a.toks])
+        learned = self.learner.observe(a.key, a.values)
         if not learned:
             return a.found
-        return _merge(a.found, _learned_finds(text, a.toks, learned))
+        return _merge(a.found, _learned_finds(text, a.toks, learned, a.code))
 
     # --- a whole body -------------------------------------------------------------------------
     def normalize(self, body: dict) -> list[dict]:
@@ -171,11 +194,14 @@ class Normalizer:
         return moved
 
 
-def _learned_finds(text: str, toks, learned: frozenset[int]) -> list[Found]:
-    """Learned slots as finds; neighbouring varying slots of one value become one find."""
+def _learned_finds(text: str, toks, learned: frozenset[int], code) -> list[Found]:
+    """Learned slots as finds (never inside code); neighbouring varying slots of one value
+    become one find."""
     out: list[Found] = []
     for i in sorted(learned):
         s, e = toks[i]
+        if code and _inside_sorted(code, s):
+            continue
         s = word_start(text, s)
         if out and out[-1].end <= s and s - out[-1].end <= 3 and all(
                 c in _JOIN_GAP for c in text[out[-1].end:s]):
