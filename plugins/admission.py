@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prefixgate.proxy.config import Key, non_negative, positive
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.plugin import Plugin
+
+log = logging.getLogger("prefixgate.admission")
 
 PRIORITY_HEADER = "x-prefixgate-priority"
 PRIORITY_RANGE = (-1000, 1000)
@@ -78,7 +81,10 @@ class Admission(Plugin):
         while True:
             await asyncio.sleep(0.2)
             if self.waiting:
-                self._dispatch()
+                try:
+                    self._dispatch()
+                except Exception:      # keep ticking: waiters depend on it
+                    log.exception("admission dispatch failed")
 
     # --- capacity --------------------------------------------------------------------------
     def cap(self, up) -> int:

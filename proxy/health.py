@@ -88,16 +88,23 @@ class Health:
             interval = self.cfg["interval_s"]
             # wake often enough to end ejections on time even when probing is slow or off
             await asyncio.sleep(min(interval or 1.0, 1.0, self.cfg["eject_s"] or 1.0))
-            ups = list(self.gw.upstreams)
-            for gone in set(self.states) - set(ups):
-                del self.states[gone]
-            now = time.monotonic()
-            if interval and now - last_probe >= interval:
-                last_probe = now
-                await asyncio.gather(*(self._probe(u) for u in ups))
-            elif not interval:
-                for up in ups:
-                    self._maybe_restore(up, probe_ok=None)
+            try:
+                last_probe = await self._round(interval, last_probe)
+            except Exception:          # a bug here must not end health checking for good
+                log.exception("health check round failed")
+
+    async def _round(self, interval: float, last_probe: float) -> float:
+        ups = list(self.gw.upstreams)
+        for gone in set(self.states) - set(ups):
+            del self.states[gone]
+        now = time.monotonic()
+        if interval and now - last_probe >= interval:
+            await asyncio.gather(*(self._probe(u) for u in ups))
+            return now
+        if not interval:
+            for up in ups:
+                self._maybe_restore(up, probe_ok=None)
+        return last_probe
 
     async def _probe(self, up) -> None:
         st = self.state(up)
