@@ -1,15 +1,16 @@
 """The built-in demo model, and the helpers that write a Hugging Face tokenizer directory.
 
-`ensure_demo_model()` builds, once and in a couple of seconds, a small Llama-architecture model
-with random (seeded) weights and a byte-level BPE tokenizer trained on the text in
-`backend/data/`. Nothing is downloaded. The directory is a normal HF checkpoint
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML template),
-so transformers loads it too. Its name carries a fingerprint of everything that goes into it,
+`ensure_demo_model()` builds, once and in a few seconds, a small Llama-architecture model with
+random (seeded) weights and a byte-level BPE tokenizer trained on the text in `backend/data/`.
+Nothing is downloaded. The directory is a normal HF checkpoint (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a ChatML template) that transformers loads too, plus
+a SHA256SUMS manifest that every load verifies. Its name carries a fingerprint of the recipe,
 so a changed recipe builds a fresh directory instead of reusing a stale one.
 
-The size is chosen for TTFT experiments on a small CPU: a 2,400-token prefill takes about a
-second on two cores in fp32, long enough to measure cache hits, and the context (16,384)
-holds the 8,000-token prompts the benchmarks use. The output is random text, by design.
+The size (12.6M parameters, 6 layers, hidden 384) is chosen for TTFT experiments on a small
+CPU: a 2,400-token prefill takes on the order of a second on two cores in fp32, long enough to
+measure cache hits, and the context (16,384) holds the 8,000-token prompts the benchmarks use.
+The output is random text, by design.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def write_tokenizer_files(
 
 # --- the demo model --------------------------------------------------------------------------
 
-BUILD_VERSION = 1  # bump when the recipe below changes in a way the fingerprint cannot see
+BUILD_VERSION = 2  # bump when the recipe below changes in a way the fingerprint cannot see
 DEMO_SPEC = {
     "vocab_target": 4096,
     "hidden_size": 384,
@@ -208,6 +209,9 @@ def build_demo_model(out: str | Path) -> None:
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}, indent=2) + "\n")
     write_tokenizer_files(out, tok, model_max_length=spec["max_position_embeddings"])
     _write_random_weights(out / "model.safetensors", config, spec)
+    from prefixgate.backend.loader import write_manifest
+
+    write_manifest(out)  # so every load of the demo also exercises the integrity check
 
 
 def _write_random_weights(path: Path, config: dict, spec: dict) -> None:

@@ -231,6 +231,17 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
     return model.eval().requires_grad_(False), config
 
 
+def write_manifest(model_dir: str | Path) -> Path:
+    """Record the sha256 of every weight file in `SHA256SUMS` (the format `sha256sum -c` reads)."""
+    model_dir = Path(model_dir)
+    files, _, problems = weight_files(model_dir)
+    _raise_if(problems)
+    lines = [f"{sha256_file(f)}  {f.relative_to(model_dir).as_posix()}\n" for f in files]
+    path = model_dir / MANIFEST_NAMES[0]
+    path.write_text("".join(lines))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """`prefixgate verify-weights DIR`: print the report; exit 1 on any problem."""
     parser = argparse.ArgumentParser(
@@ -238,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Check a checkpoint dir: shard index vs files, sha256 manifest, tensor names and shapes.",
     )
     parser.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--write-manifest", action="store_true",
+                        help=f"after the checks pass, record the weight files' hashes in {MANIFEST_NAMES[0]}")
     args = parser.parse_args(argv)
     report = verify_weights(args.model_dir)
     print(report.render())
+    if report.ok and args.write_manifest:
+        print(f"wrote {write_manifest(args.model_dir)}")
     return 0 if report.ok else 1
 
 

@@ -79,6 +79,15 @@ def test_manifest_passes_then_catches_corrupted_bytes(model_dir, capsys):
     assert "PROBLEM: sha256 mismatch for model.safetensors" in capsys.readouterr().out
 
 
+def test_write_manifest_is_sha256sum_compatible(sharded_dir, capsys):
+    assert main([str(sharded_dir), "--write-manifest"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=sharded_dir, capture_output=True, text=True)
+    assert check.returncode == 0 and check.stdout.count(": OK") == len(list(sharded_dir.glob("*.safetensors")))
+    assert verify_weights(sharded_dir).manifest.name == "SHA256SUMS"
+    load_model(sharded_dir)
+
+
 def test_manifest_must_cover_every_weight_file(sharded_dir):
     _write_manifest(sharded_dir)
     lines = (sharded_dir / "SHA256SUMS").read_text().splitlines()
