@@ -60,8 +60,8 @@ SPEC = {
     "virtual_nodes": Key(int, 160, positive),     # per unit of upstream weight
     "index_capacity": Key(int, 65536, positive),  # cache_aware: blocks remembered per upstream
     "cache_threshold": Key((int, float), 0.3, _fraction),
-    "balance_abs_threshold": Key((int, float), 8, non_negative),
-    "balance_rel_threshold": Key((int, float), 1.5, _at_least_one),
+    "balance_abs_threshold": Key((int, float), 4, non_negative),
+    "balance_rel_threshold": Key((int, float), 1.25, _at_least_one),
     "poll_metrics_s": Key((int, float), 0, non_negative),   # 0: gateway in-flight counts only
     "kv_saturation": Key((int, float), 0.98, _fraction),     # polled KV usage that means "full"
     "dynamic_cut": Key(str, "auto", one_of("auto", "always", "never")),
