@@ -1,7 +1,7 @@
 """Upstream health: active `/health` probes, passive ejection, recovery.
 
 `Upstream.healthy` is the one flag the router honours. It goes false when
-- `unhealthy_threshold` probes in a row fail (no 2xx within `timeout_s`), or
+- `unhealthy_threshold` probes in a row fail (no answer below 500 within `timeout_s`), or
 - a connection to the upstream cannot be opened (refused, unreachable: nothing to wait for), or
 - `max_5xx` answers in a row are 5xx or broken streams (a sick backend that still accepts);
 and true again when, after at least `eject_s`, `healthy_threshold` probes in a row succeed
@@ -112,7 +112,9 @@ class Health:
             async with asyncio.timeout(self.cfg["timeout_s"]):
                 async with self._session.get(up.url + self.cfg["path"]) as r:
                     await r.read()
-                    ok, what = 200 <= r.status < 300, f"HTTP {r.status}"
+                    # any answer below 500 means the server is up (a hosted API may have
+                    # no /health and say 404; llama.cpp says 503 while loading)
+                    ok, what = r.status < 500, f"HTTP {r.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             ok, what = False, "timeout" if isinstance(e, TimeoutError) else type(e).__name__
         st.last_probe = what

@@ -133,3 +133,30 @@ async def test_probes_use_their_own_pool_so_a_busy_upstream_stays_healthy(make_s
         await asyncio.sleep(0.7)
         assert (await health(client, gw.url))["upstreams"]["a"]["healthy"] is True
         assert [s for s, _ in await asyncio.gather(*busy)] == [200] * 4
+
+
+async def test_probe_status_below_500_is_up_and_5xx_is_down(make_gateway):
+    from aiohttp import web
+
+    from prefixgate.proxy.server import start_app
+    state = {"status": 404}                     # e.g. a hosted API without /health
+
+    async def probe(request):
+        return web.Response(status=state["status"])
+    app = web.Application()
+    app.router.add_get("/health", probe)
+    runner, url = await start_app(app)
+    try:
+        gw = await make_gateway({"upstreams": [{"name": "a", "url": url}], "health": FAST})
+        async with aiohttp.ClientSession() as client:
+            await asyncio.sleep(0.5)
+            report = (await health(client, gw.url))["upstreams"]["a"]
+            assert report["healthy"] is True and report["last_probe"] == "HTTP 404"
+            state["status"] = 503                # e.g. llama.cpp while loading a model
+            assert await wait_for(lambda: _healthy_is(client, gw.url, "a", False))
+            async with client.get(gw.url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "unavailable"
+            state["status"] = 200
+            assert await wait_for(lambda: _healthy_is(client, gw.url, "a", True))
+    finally:
+        await runner.cleanup()
