@@ -186,12 +186,15 @@ def _raise_if(problems: list[str]) -> None:
         raise WeightError(shown + more)
 
 
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, config: LlamaConfig, device: str | torch.device) -> torch.dtype:
     """Explicit dtype wins; otherwise fp32 on CPU, the checkpoint's half type (or bf16) on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in (None, "auto"):
-        resolved = getattr(torch, str(dtype), None)
+        resolved = getattr(torch, _DTYPE_ALIASES.get(str(dtype), str(dtype)), None)
         if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
             raise ValueError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
         return resolved

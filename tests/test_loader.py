@@ -59,8 +59,9 @@ def test_good_checkpoint_loads_every_tensor_exactly(model_dir, capsys):
 
 
 def test_load_model_casts_to_requested_dtype(model_dir):
-    model, _ = load_model(model_dir, dtype="bfloat16")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for name in ("bfloat16", "bf16", torch.bfloat16):
+        model, _ = load_model(model_dir, dtype=name)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(model_dir, dtype="int8")
 
