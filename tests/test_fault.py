@@ -4,6 +4,7 @@ served by a healthy upstream."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import aiohttp
 import pytest
@@ -96,6 +97,42 @@ async def test_killed_mid_stream_ends_with_an_sse_error_and_is_not_retried(make_
         for _ in range(4):
             status, events, _ = await post(client, gw.url, stream=True)
             assert status == 200 and events[-1] == "[DONE]"
+
+
+async def test_upstream_process_killed_mid_stream(make_standin, make_gateway):
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.proxy.standin", "--port", str(port), "--tokens", "40",
+        "--gap", "0.05", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as client:
+            for _ in range(100):                      # wait until it listens
+                try:
+                    async with client.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            good = await make_standin()
+            gw = await two_upstreams(make_gateway, url, good)
+            async with client.post(gw.url + "/v1/chat/completions",
+                                   json={**CHAT, "stream": True}) as r:
+                assert r.status == 200 and r.headers["x-prefixgate-upstream"] == "bad"
+                events = []
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        events.append(event_json(line.rstrip()))
+                        if len(events) == 3:
+                            proc.kill()               # SIGKILL, mid-stream
+            assert 3 <= len(events) < 40 and "[DONE]" not in events
+            assert events[-1]["error"]["code"] == "upstream_error"
+            assert good.requests == []                # not retried once bytes were sent
+            await assert_gateway_fine(client, gw, "good")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
 
 
 async def test_refused_connections_fail_over(make_standin, make_gateway):
