@@ -117,13 +117,17 @@ class PromptCache:
         h = xxhash.xxh3_64()
         for m in messages[:n]:
             content = m.get("content")
-            h.update(json.dumps({k: v for k, v in m.items() if k != "content"},
-                                sort_keys=True).encode())
+            if len(m) == 2 and isinstance(m.get("role"), str):    # the common {role, content}
+                h.update(m["role"].encode())
+            else:
+                h.update(json.dumps({k: v for k, v in m.items() if k != "content"},
+                                    sort_keys=True).encode())
             h.update(b"\x1f")
             h.update(content.encode("utf-8", "surrogatepass") if isinstance(content, str)
                      else json.dumps(content, sort_keys=True).encode())
             h.update(b"\x1e")
-        h.update(json.dumps([tools, kwargs], sort_keys=True).encode())
+        if tools or kwargs:
+            h.update(json.dumps([tools, kwargs], sort_keys=True).encode())
         return h.intdigest()
 
     def lookup(self, messages: list, tools=None, kwargs: dict | None = None):
