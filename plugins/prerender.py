@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,12 +29,24 @@ import xxhash
 from prometheus_client import CollectorRegistry, Counter
 
 from prefixgate.proxy.config import ConfigError, Key, positive, non_negative
-from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.plugin import Plugin
 
 from .prefix_keys import ROOT_HASH, prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
+log = logging.getLogger(__name__)
+
+
+def flatten(message):
+    """Text content parts joined into one string, as the bundled engine does before it
+    renders (templates expect strings); anything else is left for the template to judge."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        return {**message, "content": "".join(p["text"] for p in content)}
+    return message
 
 
 def continue_chain(parent: int, tokens, block_tokens: int) -> list[int]:
@@ -217,7 +230,7 @@ class Prerender(Plugin):
         self.cache = PromptCache(tok, self.cfg["block_tokens"], self.cfg["cache_entries"])
         reg = getattr(gw, "registry", None) or CollectorRegistry()
         self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
-                               "lookups by result (hit, miss, unsplittable, none)", ["result"],
+                               "lookups by result (hit, miss, unsplittable, none, error)", ["result"],
                                registry=reg)
         self.tokens = Counter("prefixgate_prerender_tokens", "Prompt tokens, by whether they "
                               "came from the prefix cache", ["source"], registry=reg)
@@ -227,6 +240,9 @@ class Prerender(Plugin):
         messages = body.get("messages")
         if isinstance(messages, list):
             r = await self._render_chat(ctx, body, messages)
+            if r is None:
+                self.lookups.labels("error").inc()
+                return
             ctx.tokens, ctx.block_hashes = r.tokens, r.block_hashes
             self.lookups.labels(r.cache).inc()
             return
@@ -238,7 +254,10 @@ class Prerender(Plugin):
             ctx.tokens = ids
             ctx.block_hashes = continue_chain(ROOT_HASH, ids, self.cache.block_tokens)
 
-    async def _render_chat(self, ctx, body, messages) -> Rendered:
+    async def _render_chat(self, ctx, body, messages) -> Rendered | None:
+        """The rendered request, or None when our rendering of it fails: the backend is the
+        authority on what it accepts, so such a request goes on, only without tokens."""
+        messages = [flatten(m) for m in messages]
         kwargs = body.get("chat_template_kwargs")
         kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
@@ -250,8 +269,9 @@ class Prerender(Plugin):
             r = await self._maybe_thread(size, self.cache.render, messages, tools,
                                          body.get("add_generation_prompt", True) is not False,
                                          kwargs, looked)
-        except ValueError as e:      # ChatTemplateError: the client's messages do not fit
-            raise HTTPError(400, str(e), code="invalid_messages") from None
+        except ValueError as e:      # ChatTemplateError
+            log.debug("prerender: cannot render request %s: %s", ctx.request_id, e)
+            return None
         self.tokens.labels("cache").inc(r.cached)
         self.tokens.labels("tokenized").inc(len(r.tokens) - r.cached)
         return r

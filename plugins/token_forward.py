@@ -6,7 +6,8 @@ goes to `/v1/completions` with `prompt: [ids]`, and the answer — whole or stre
 rewritten into the `chat.completion` / `chat.completion.chunk` shape the client asked for.
 
 Only plain-text chats qualify: tool calls, structured output and logprobs are produced by
-the backend's chat endpoint itself, so requests using them keep their chat form.
+the backend's chat endpoint itself, and backends join content parts differently, so requests
+using any of them keep their chat form.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ SHARED = ("model", "stream", "stream_options", "max_tokens", "temperature", "top
 
 def eligible(body: dict) -> bool:
     """Can this chat request be forwarded as token ids without losing meaning?"""
-    return isinstance(body.get("messages"), list) and not any(body.get(k) for k in CHAT_ONLY) \
-        and body.get("n", 1) in (1, None) and body.get("echo") is None
+    messages = body.get("messages")
+    return isinstance(messages, list) and not any(body.get(k) for k in CHAT_ONLY) \
+        and body.get("n", 1) in (1, None) and body.get("echo") is None \
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
 
 
 def chat_to_completions(body: dict, tokens: list[int]) -> dict:

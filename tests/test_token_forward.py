@@ -43,6 +43,8 @@ def test_only_plain_chats_are_eligible():
     assert not eligible({**CHAT, "logprobs": True})
     assert not eligible({**CHAT, "n": 2})
     assert not eligible({"model": "m", "prompt": "x"})
+    assert not eligible({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}]})
     body = chat_to_completions(CHAT, [1, 2, 3])
     assert body == {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                     "prompt": [1, 2, 3]}
