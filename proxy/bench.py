@@ -62,15 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "`seed` is the TTFT staircase on the bundled demo engine")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    p.add_argument("--tiers", type=int_list, default=[512, 2400, 8000],
-                   help="prompt lengths in tokens (default 512,2400,8000)")
-    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32],
-                   help="closed-loop concurrency levels (default 1,8,32)")
+    p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
+                   "512,2400,8000; seed: the prompt length, 768)")
+    p.add_argument("--concurrency", type=int_list, help="closed-loop concurrency levels "
+                   "(default 1,8,32; seed: one level, 4)")
     p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "
                    "requests/s (replaces --concurrency)")
-    p.add_argument("--requests", type=int, default=200, help="measured requests per cell")
-    p.add_argument("--warmup", type=int, default=10, help="uncounted requests before each cell")
-    p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request")
+    p.add_argument("--requests", type=int, help="measured requests per cell (default 200; "
+                   "seed: per stage, 48)")
+    p.add_argument("--warmup", type=int, help="uncounted requests before each cell (default "
+                   "10; seed: 32)")
+    p.add_argument("--max-tokens", type=int, help="output tokens per request (default 1; "
+                   "seed: 8)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, SGLang) "
                    "so every request produces --max-tokens tokens")
     p.add_argument("--shared-prefix", type=fraction, default=0.8, help="fraction of each "
@@ -85,8 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="seed scenario: fewer requests")
+    p.add_argument("--quick", action="store_true", help="seed: 24 measured requests per stage")
+    p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
+                   help="seed: run only these stages (e.g. baseline,affinity routing)")
     return p
+
+
+GRID_DEFAULTS = {"tiers": [512, 2400, 8000], "concurrency": [1, 8, 32], "requests": 200,
+                 "warmup": 10, "max_tokens": 1}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "compare":
         return compare_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv, parser)
     if args.plot and not archive_mod.have_matplotlib():
         print(f"prefixgate bench: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
         return 2
@@ -103,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_seed(args)
     if not args.url:
         parser.error("--url is required (or --scenario seed)")
-    if args.requests <= 0 or args.warmup < 0 or args.max_tokens <= 0:
-        parser.error("--requests and --max-tokens must be > 0, --warmup >= 0")
     try:
         lengths = Lengths(load_tokenizer(args.tokenizer))
     except (OSError, ValueError) as e:
@@ -115,6 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     except TargetError as e:
         print(f"prefixgate bench: {e}", file=sys.stderr)
         return 2
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None):
+    """Parse and check; the grid's defaults are filled in unless a scenario brings its own."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if args.scenario is None:
+        for name, default in GRID_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+    if (args.requests is not None and args.requests <= 0) or (
+            args.warmup is not None and args.warmup < 0) or (
+            args.max_tokens is not None and args.max_tokens <= 0):
+        parser.error("--requests and --max-tokens must be > 0, --warmup >= 0")
+    return args
 
 
 def compare_main(argv: list[str]) -> int:

@@ -102,7 +102,7 @@ def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample
     if usage:
         s.prompt_tokens = usage.get("prompt_tokens", s.prompt_tokens)
         s.output_tokens = usage.get("completion_tokens") or s.output_tokens
-    if has_content(obj):
+    if has_content(obj) or (last is None and finished(obj)):
         if last is None:
             s.ttft = now - t0
         else:
@@ -110,6 +110,12 @@ def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample
         s.content_events += 1
         return now
     return last
+
+
+def finished(event: dict) -> bool:
+    """A finish reason: when nothing came before it, the only token decoded to no text (a
+    special token, a partial UTF-8 sequence), yet it was produced: that is the first token."""
+    return any(c.get("finish_reason") for c in event.get("choices") or ())
 
 
 def error_message(raw: bytes) -> str:

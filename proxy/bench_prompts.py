@@ -54,15 +54,18 @@ class Lengths:
         ids = self.tokenizer.encode(" " + words(rng, n + n // 2 + 8))[:n]
         return self.tokenizer.decode(ids).strip()
 
-    def chat_overhead(self) -> int:
-        """Tokens the chat template adds around a system + user message (0 if unknown)."""
+    def chat_overhead(self, tools: list | None = None) -> int:
+        """Tokens around the text of a system + user message: the chat template's (when
+        known) and the tool definitions'."""
+        tool_tokens = self.count(json.dumps(tools)) if tools else 0
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            return 0
+            return tool_tokens
         try:
             empty = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
+                [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
+                tools=tools or None)
         except ValueError:
-            return 0
+            return tool_tokens
         return self.count(empty)
 
 
@@ -86,14 +89,14 @@ class PromptSet:
 
     def __init__(self, spec: PromptSpec, lengths: Lengths):
         self.spec, self.lengths = spec, lengths
-        budget = max(spec.tokens - lengths.chat_overhead(), 2)
-        shared_tokens = min(round(budget * spec.shared), budget - 1)
-        tool_tokens = lengths.count(json.dumps(spec.tools)) if spec.tools else 0
+        # the per-request part is the last (1 - shared) of the prompt; all before it (template,
+        # tools, timestamp, system text) is the same for every request but the timestamp
+        budget = spec.tokens - lengths.chat_overhead(spec.tools)
+        self.unique_tokens = max(1, min(round(spec.tokens * (1.0 - spec.shared)), budget - 1))
         head_tokens = lengths.count(timestamp_line()) if spec.dynamic_head else 0
-        system_tokens = max(shared_tokens - tool_tokens - head_tokens, 0)
+        system_tokens = max(budget - self.unique_tokens - head_tokens, 0)
         self.system = lengths.text(random.Random(f"{spec.seed}:{spec.tokens}:system"),
                                    system_tokens)
-        self.unique_tokens = budget - shared_tokens
 
     def body(self, i: int) -> dict:
         rng = random.Random(f"{self.spec.seed}:{self.spec.tokens}:{i}")

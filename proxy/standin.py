@@ -204,9 +204,10 @@ def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
 
 
 def _prompt_text(body: dict) -> str:
-    if "messages" in body:
-        return "".join(f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
-                       if isinstance(m, dict)) + json.dumps(body.get("tools") or "")
+    if "messages" in body:     # tools first: chat templates put them in the system turn
+        return json.dumps(body.get("tools") or "") + "".join(
+            f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
+            if isinstance(m, dict))
     return str(body.get("prompt", ""))
 
 

@@ -75,7 +75,7 @@ async def test_bench_compare_prints_ratios(make_standin, tmp_path):
 
 async def test_open_loop_arrivals_do_not_wait_for_responses(make_standin):
     up = await make_standin(first_delay=0.4, tokens=1)
-    args = bench.build_parser().parse_args([
+    args = bench.parse_args([
         "--url", up.url, "--tiers", "16", "--rate", "25", "--requests", "12", "--warmup", "0"])
     t0 = time.monotonic()
     rc = await bench.run(args, Lengths())
@@ -89,7 +89,7 @@ async def test_open_loop_arrivals_do_not_wait_for_responses(make_standin):
 
 async def test_errors_are_counted_and_reported(make_standin, capsys):
     up = await make_standin(fail="status", status=503)
-    args = bench.build_parser().parse_args([
+    args = bench.parse_args([
         "--url", up.url, "--tiers", "16", "--concurrency", "1", "--requests", "3", "--warmup", "0"])
     assert await bench.run(args, Lengths()) == 1
     err = capsys.readouterr().err
@@ -134,8 +134,9 @@ def test_prompt_tiers_are_exact_with_the_targets_tokenizer(tokenizer, tier):
         assert abs(prompts.measured_tokens(body) - tier) <= max(2, tier // 50)
     assert a["messages"][0] == b["messages"][0]              # the shared system prompt
     assert a["messages"][1]["content"][:20] != b["messages"][1]["content"][:20]
-    system = len(tokenizer.encode(a["messages"][0]["content"]))
-    assert abs(system - 0.8 * (tier - Lengths(tokenizer).chat_overhead())) <= max(3, tier // 50)
+    # the per-request user message is the last 20% of the prompt
+    user = len(tokenizer.encode(a["messages"][1]["content"]))
+    assert abs(user - 0.2 * tier) <= max(3, tier // 50)
 
 
 def test_dynamic_head_makes_every_system_prompt_unique():
@@ -153,3 +154,88 @@ def test_percentiles_interpolate_like_numpy():
     assert percentile(xs, 50) == 3.0
     assert percentile(xs, 95) == pytest.approx(4.8)
     assert percentile([], 50) is None
+
+
+# --- the seed scenario's machinery (the full staircase is a CLI run, not a test) -----------
+from prefixgate.plugins.normalize import SPEC as NORMALIZE_SPEC, Normalizer  # noqa: E402
+from prefixgate.proxy import bench_seed  # noqa: E402
+from prefixgate.proxy.bench_prompts import load_tokenizer  # noqa: E402
+from prefixgate.proxy.config import check  # noqa: E402
+from prefixgate.proxy.standin import Behaviour, StandIn  # noqa: E402
+
+
+def test_seed_prompts_share_each_tenants_prefix_once_normalized():
+    w = bench_seed.Workload(prompt_tokens=300, tenants=3)
+    lengths = Lengths(load_tokenizer("demo"))
+    prompts = bench_seed.SeedPrompts(w, lengths)
+    bodies = [prompts.body(i) for i in range(12)]
+    tenants = {b["tools"][0]["function"]["name"].split("_")[0] for b in bodies}
+    assert len(tenants) == 3                                  # drawn at random, all used
+    for b in bodies:
+        assert b["messages"][0]["content"].startswith("Current time: ")
+        assert abs(prompts.sets[0].measured_tokens(b) - 300) <= 12
+    norm = Normalizer(check({"learn": False}, NORMALIZE_SPEC))
+    by_tenant = {}
+    for b in bodies:
+        norm.normalize(b)
+        by_tenant.setdefault(b["tools"][0]["function"]["name"], set()).add(
+            b["messages"][0]["content"])
+    assert all(len(systems) == 1 for systems in by_tenant.values())
+    assert len({s for systems in by_tenant.values() for s in systems}) == 3
+
+
+def test_seed_kv_budget_holds_a_share_of_the_tenants():
+    w = bench_seed.Workload()
+    prefix = int(w.prompt_tokens * w.shared) // w.block_size
+    per_prompt = -(-w.prompt_tokens // w.block_size) + 1
+    kv = w.kv_blocks()
+    assert kv >= w.concurrency * per_prompt                       # every in-flight prompt fits
+    room = kv - w.concurrency * (per_prompt - prefix)
+    assert room // prefix == int(w.tenants * w.cached_tenants)    # ... and 3/4 of the tenants
+
+
+class StandInEngines:
+    """Stand-ins in place of engine processes: prefill costs time per uncached token and the
+    prefix cache follows the stage's engine flags."""
+
+    def __init__(self, cfg):
+        self.cfg, self.standins, self.urls = cfg, [], []
+
+    async def start(self):
+        cache = "--no-prefix-caching" not in self.cfg["args"]
+        for _ in range(self.cfg["instances"]):
+            s = await StandIn(Behaviour(tokens=2, prefix_cache=cache, prefill_per_token=0.0004,
+                                        record=False)).start()
+            self.standins.append(s)
+            self.urls.append(s.url)
+
+    async def stop(self):
+        for s in self.standins:
+            await s.stop()
+
+
+async def test_seed_stages_run_behind_the_gateway(capsys):
+    w = bench_seed.Workload(prompt_tokens=400, tenants=4, requests=10, warmup=6, concurrency=2,
+                            max_tokens=2)
+    stages = [s for s in bench_seed.STAGES if s.name in ("baseline", "+prefix cache",
+                                                          "+affinity routing")]
+    args = bench.parse_args(["--scenario", "seed"])
+    archive = await bench_seed.run_stages(w, stages, Lengths(load_tokenizer("demo")), args,
+                                          launcher=StandInEngines)
+    bench_seed.print_staircase(archive)
+    base, cached, routed = archive["cells"]
+    assert [c["label"] for c in archive["cells"]] == ["baseline", "+prefix cache",
+                                                     "+affinity routing"]
+    assert "--no-prefix-caching" in base["engine_args"] and "--no-chunked-prefill" in base["engine_args"]
+    assert base["gateway"]["plugins"] == [{"round_robin": {}}, {"metrics": {}}]
+    assert {"normalize": {}} in cached["gateway"]["plugins"]
+    assert routed["gateway"]["plugins"][1] == {"prefix_route": {"policy": "cache_aware"}}
+    assert sum(e["prefix_hits"] for e in base["engines"]) == 0
+    assert sum(e["prefix_hits"] for e in cached["engines"]) > 0
+    assert set(routed["routes"]) <= {"cache", "new", "balance", "nokey"} and routed["routes"]
+    for c in archive["cells"]:
+        assert c["summary"]["requests"] == 10 and c["summary"]["errors"] == 0
+    # ~400 uncached tokens x 0.4 ms in the baseline; ~20% of that once the prefix is cached
+    assert cached["summary"]["ttft_p50_ms"] < 0.6 * base["summary"]["ttft_p50_ms"]
+    out = capsys.readouterr().out
+    assert "seed staircase" in out and "+affinity routing" in out
