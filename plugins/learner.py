@@ -33,7 +33,7 @@ def template_key(statics: list[str]) -> int:
 
 
 class Learner:
-    def __init__(self, after: int = 3, max_templates: int = 512, max_slots: int = 4096):
+    def __init__(self, after: int = 3, max_templates: int = 256, max_slots: int = 2048):
         self.after = after
         self.max_templates = max_templates
         self.max_slots = max_slots

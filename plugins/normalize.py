@@ -61,8 +61,8 @@ SPEC = {
     "rules": Key(list, list),                          # [{pattern, label}] custom regexes
     "learn": Key(bool, True),
     "learn_after": Key(int, 3, lambda v: None if v >= 2 else "must be >= 2"),
-    "learn_templates": Key(int, 512, positive),
-    "learn_max_slots": Key(int, 4096, positive),
+    "learn_templates": Key(int, 256, positive),      # memory: at most templates x slots
+    "learn_max_slots": Key(int, 2048, positive),     # remembered values (~30 MB worst case)
     "max_moves": Key(int, 32, positive),
     "cache_texts": Key(int, 256, non_negative),       # analyses of recently seen texts
     "canonical_tools": Key(bool, False),
