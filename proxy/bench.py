@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="seed: 24 measured requests per stage")
+    p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
+                   "pooled, to even out a shared machine (default 1)")
+    p.add_argument("--policy", choices=["chwbl", "cache_aware"], help="seed: prefix_route "
+                   "policy of the affinity stage (default cache_aware)")
     p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
                    help="seed: run only these stages (e.g. baseline,affinity routing)")
     return p
@@ -134,8 +138,9 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None):
                 setattr(args, name, default)
     if (args.requests is not None and args.requests <= 0) or (
             args.warmup is not None and args.warmup < 0) or (
-            args.max_tokens is not None and args.max_tokens <= 0):
-        parser.error("--requests and --max-tokens must be > 0, --warmup >= 0")
+            args.max_tokens is not None and args.max_tokens <= 0) or (
+            args.rounds is not None and args.rounds <= 0):
+        parser.error("--requests, --max-tokens and --rounds must be > 0, --warmup >= 0")
     return args
 
 

@@ -79,6 +79,7 @@ class Workload:
     batched_tokens: int = 512        # engine step budget
     cached_tenants: float = 0.75     # fraction of all tenants' prefixes one engine's KV holds
     policy: str = "cache_aware"      # prefix_route policy for the last stage
+    rounds: int = 1                  # runs of every stage, interleaved, samples pooled
     seed: int = 0
     block_size: int = 16
 
@@ -125,7 +126,8 @@ def parse_workload(args) -> Workload:
     if args.quick:
         w.requests = 24
     for attr, value in (("requests", args.requests), ("warmup", args.warmup),
-                        ("max_tokens", args.max_tokens), ("seed", args.seed)):
+                        ("max_tokens", args.max_tokens), ("seed", args.seed),
+                        ("rounds", args.rounds), ("policy", args.policy)):
         if value is not None:
             setattr(w, attr, value)
     if args.concurrency:
@@ -160,27 +162,34 @@ def run_seed(args) -> int:
 
 async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
                      launcher=None) -> dict:
+    """Every stage, `w.rounds` times over (stages interleaved, so a slow spell of a shared
+    machine spreads over all of them); samples of a stage's rounds are pooled."""
     prompts = SeedPrompts(w, lengths)
-    cells = []
-    for n, stage in enumerate(stages, 1):
-        print(f"[{n}/{len(stages)}] {stage.name}: starting {w.engines} engines "
-              f"({' '.join(stage.engine_args(w))})", file=sys.stderr, flush=True)
-        cells.append(await run_stage(stage, w, prompts, args.timeout,
-                                     args.slo_ttft_ms / 1000.0, launcher))
+    runs: dict[str, list[dict]] = {s.name: [] for s in stages}
+    per_round = w.warmup + w.requests
+    for r in range(w.rounds):
+        for n, stage in enumerate(stages, 1):
+            print(f"[round {r + 1}/{w.rounds}, stage {n}/{len(stages)}] {stage.name}: "
+                  f"starting {w.engines} engines ({' '.join(stage.engine_args(w))})",
+                  file=sys.stderr, flush=True)
+            runs[stage.name].append(await run_stage(stage, w, prompts, args.timeout, launcher,
+                                                    offset=r * per_round))
+    slo_s = args.slo_ttft_ms / 1000.0
     return {"schema": archive_mod.SCHEMA, "kind": "seed",
             "config": {"scenario": "seed", "model": "demo", "max_tokens": w.max_tokens,
                        "lengths": "exact", "slo_ttft_ms": args.slo_ttft_ms,
                        "workload": asdict(w), "kv_blocks_per_engine": w.kv_blocks(),
                        "prompt_tokens_built": prompts.sets[0].measured_tokens(prompts.body(0))},
-            "environment": archive_mod.environment(), "cells": cells}
+            "environment": archive_mod.environment(),
+            "cells": [stage_cell(s, w, runs[s.name], slo_s) for s in stages]}
 
 
 async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: float,
-                    slo_s: float, launcher=None) -> dict:
-    """One stage: start the engines (`launcher`, default: bundled engine processes), put a
-    gateway with the stage's plugins in front, measure, stop everything."""
+                    launcher=None, offset: int = 0) -> dict:
+    """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
+    put a gateway with the stage's plugins in front, measure, stop everything."""
     from .app import Gateway
-    from .bench import cell_record, client_session, measure, request_body
+    from .bench import client_session, measure, request_body
     from .bundled import BundledEngines
     from .server import start_app
 
@@ -208,7 +217,8 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
         async with client_session(timeout) as session:
             samples = await measure(
                 session, url + "/v1/chat/completions", {},
-                lambda i: request_body(prompts.body(i), "demo", w.max_tokens, True, "chat"),
+                lambda i: request_body(prompts.body(offset + i), "demo", w.max_tokens, True,
+                                       "chat"),
                 requests=w.requests, warmup=w.warmup, concurrency=w.concurrency,
                 label=stage.name)
             engine_metrics = [await archive_mod.snapshot(session, u, "/metrics", {})
@@ -218,10 +228,30 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
         if runner is not None:
             await runner.cleanup()
         await engines.stop()
+    return {"samples": samples, "gateway": raw,
+            "engines": [engine_summary(text) for text in engine_metrics],
+            "routes": route_decisions(gateway_metrics)}
+
+
+def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dict:
+    """A stage's archive cell: latencies over the pooled samples of its rounds, throughput
+    as the mean of the rounds' (each round has its own clock), engine/route stats summed."""
+    from .bench import cell_record
+    from .bench_stats import summarize
+
+    samples = [s for run in runs for s in run["samples"]]
     cell = cell_record(stage.name, {"stage": asdict(stage), "engine_args": stage.engine_args(w),
-                                    "gateway": raw}, samples, slo_s)
-    cell["engines"] = [engine_summary(text) for text in engine_metrics]
-    cell["routes"] = route_decisions(gateway_metrics)
+                                    "gateway": runs[0]["gateway"]}, samples, slo_s)
+    rounds = [summarize(run["samples"], slo_s) for run in runs]
+    for key in ("req_per_s", "out_tok_per_s", "goodput_req_per_s"):
+        values = [r[key] for r in rounds if r[key] is not None]
+        cell["summary"][key] = round(sum(values) / len(values), 3) if values else None
+    cell["summary"]["wall_s"] = round(sum(r["wall_s"] for r in rounds), 3)
+    cell["engines"] = [e for run in runs for e in run["engines"]]
+    cell["routes"] = {}
+    for run in runs:
+        for k, v in run["routes"].items():
+            cell["routes"][k] = cell["routes"].get(k, 0.0) + v
     return cell
 
 
