@@ -65,6 +65,7 @@ SPEC = {
     "poll_metrics_s": Key((int, float), 0, non_negative),   # 0: gateway in-flight counts only
     "kv_saturation": Key((int, float), 0.98, _fraction),     # polled KV usage that means "full"
     "dynamic_cut": Key(str, "auto", one_of("auto", "always", "never")),
+    "llamacpp_slots": Key(int, 0, non_negative),  # llama.cpp server: slots per server (0: off)
     "weight": Key((int, float), 1.0, positive),
 }
 
@@ -184,6 +185,26 @@ class PrefixRoute(Plugin):
                 return True
         return False
 
+    # --- llama.cpp slot affinity ---------------------------------------------------------------
+    async def on_request(self, ctx) -> None:
+        """llama.cpp's server keeps one prompt cache per slot: pin a prefix family to a slot
+        (`id_slot`, the same on every server) and ask it to reuse the cache (`cache_prompt`)."""
+        slots = self.cfg["llamacpp_slots"]
+        if not slots or "id_slot" in ctx.body:
+            return
+        key = self.route_key(self.keys(ctx))
+        if key is None:
+            return
+        ctx.body["id_slot"] = key % slots
+        ctx.body["cache_prompt"] = True
+        ctx.body_changed = True
+
+    def route_key(self, keys: Keys) -> int | None:
+        """The hash of the prompt's first `prefix_blocks` blocks (or of its only, partial one)."""
+        if keys.chain:
+            return keys.chain[min(self.cfg["prefix_blocks"], len(keys.chain)) - 1]
+        return keys.short
+
     # --- scoring -------------------------------------------------------------------------------
     def score(self, ctx, upstreams):
         self._sync_members()
@@ -203,7 +224,7 @@ class PrefixRoute(Plugin):
 
     def _score_chwbl(self, ctx, keys: Keys, upstreams):
         chain = keys.chain
-        key = chain[min(self.cfg["prefix_blocks"], len(chain)) - 1] if chain else keys.short
+        key = self.route_key(keys)
         loads = self._loads(upstreams)
         by_name = {u.name: u for u in upstreams}
         eligible = None

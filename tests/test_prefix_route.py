@@ -258,3 +258,22 @@ async def test_no_healthy_upstream_is_an_openai_error(make_standin, make_gateway
     async with aiohttp.ClientSession() as client:
         async with client.post(gw.url + "/v1/chat/completions", json=body("s", "q")) as r:
             assert_openai_error(await r.json(), 503, r.status)
+
+
+async def test_llamacpp_slot_affinity(make_standin, make_gateway):
+    up = await make_standin()
+    gw = await make_gateway({"upstreams": [{"name": "llama", "url": up.url}],
+                             "plugins": [{"prefix_route": {"llamacpp_slots": 4}}]})
+    async with aiohttp.ClientSession() as client:
+        for turn in range(3):
+            for system in FAMILIES:
+                assert (await post(client, gw.url, body(system, f"q{turn}")))[0] == 200
+        await post(client, gw.url, body(FAMILIES[0], "q", id_slot=3))   # the client's choice wins
+    sent = [r["json"] for r in up.requests]
+    slots = defaultdict(set)
+    for b in sent[:-1]:
+        assert b["cache_prompt"] is True and 0 <= b["id_slot"] < 4
+        slots[b["messages"][0]["content"]].add(b["id_slot"])
+    assert all(len(s) == 1 for s in slots.values())          # a family keeps its slot
+    assert len({next(iter(s)) for s in slots.values()}) > 1  # families use several slots
+    assert sent[-1]["id_slot"] == 3 and "cache_prompt" not in sent[-1]
