@@ -41,7 +41,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None   # None: 512 on CPU, 2048 on CUDA
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -98,7 +98,7 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens or (2048 if device.startswith("cuda") else 512),
             enable_chunked_prefill=args.enable_chunked_prefill,
             long_prefill_token_threshold=args.long_prefill_token_threshold), self.block_manager, eos)
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,

@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (e4m3) | float16 | bfloat16 | float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=a.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=a.max_num_batched_tokens,
-                   help="token budget of one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="tokens one prefill may take before others had their turn (default: budget/4)")
     p.add_argument("--no-chunked-prefill", action="store_true", help="take prompts whole (baseline)")
