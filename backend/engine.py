@@ -81,26 +81,20 @@ class LLMEngine:
 
         self.args = args
         self.model_dir = _resolve_model_dir(args.model)
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=device)
+        self.device = torch.device(args.device if args.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self._decoder_cls = IncrementalDecoder
         self.served_model_name = args.served_model_name or (
             "demo" if args.model == "demo" else self.model_dir.name)
-        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, "?")
-        if kv_dtype == "?":
-            raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
-        kv_dtype = kv_dtype or next(self.model.parameters()).dtype
-        num_blocks = self._num_blocks(kv_dtype, torch.device(device))
+        kv_dtype = self._kv_dtype()
+        num_blocks = self._num_blocks(kv_dtype)
         self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * args.block_size,
                                  args.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens or (2048 if device.startswith("cuda") else 512),
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold), self.block_manager, eos)
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager, eos)
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
                                   num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
                                   attention_backend=args.attention_backend,
@@ -110,17 +104,30 @@ class LLMEngine:
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_dir, device, num_blocks, args.block_size, self.max_model_len)
+                 self.model_dir, self.device, num_blocks, args.block_size, self.max_model_len)
 
-    def _num_blocks(self, kv_dtype: torch.dtype, device: torch.device) -> int:
+    def _kv_dtype(self) -> torch.dtype:
+        name = self.args.kv_cache_dtype
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        return KV_CACHE_DTYPES[name] or next(self.model.parameters()).dtype
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        a = self.args
+        budget = a.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        return SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=a.max_num_seqs,
+                               max_num_batched_tokens=budget, enable_chunked_prefill=a.enable_chunked_prefill,
+                               long_prefill_token_threshold=a.long_prefill_token_threshold)
+
+    def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         a = self.args
         if a.num_kv_blocks is not None:
             return int(a.num_kv_blocks)
         per_block = kv_block_bytes(self.model_config, a.block_size, kv_dtype)
         if a.kv_cache_memory is not None:
             budget = parse_bytes(a.kv_cache_memory)
-        elif device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(device)[0] * CUDA_MEMORY_FRACTION)
+        elif self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * CUDA_MEMORY_FRACTION)
         else:
             budget = DEFAULT_CPU_KV_MEMORY
         if budget < per_block:

@@ -77,6 +77,9 @@ class ModelRunner:
         rows = torch.tensor([last_rows[i] for i in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         seqs = [batch.seqs[i] for i in sampling]
+        for s in seqs:
+            if s.params.seed is not None and s.generator is None:
+                s.generator = s.params.make_generator(self.device)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for i, tok in zip(sampling, tokens):
             out[i] = tok

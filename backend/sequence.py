@@ -38,7 +38,7 @@ class Sequence:
         self.block_hashes: list[int] = []     # chained hashes of the full blocks so far
         self.num_hashed_blocks = 0            # leading blocks already offered to the prefix cache
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
-        self.generator = self.params.make_generator()
+        self.generator = None                 # a seeded request's own RNG, made on the model's device
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
