@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+from array import array
 import json
 import random
 import sys
@@ -68,7 +69,8 @@ class SimSeq:
                  "num_computed_tokens", "num_cached_tokens", "req", "ctx", "arrived", "backend")
 
     def __init__(self, req, ctx, arrived: float, backend):
-        self.token_ids = req.tokens.tolist()
+        self.token_ids = array("q")             # slices to tuples at C speed, unlike numpy's
+        self.token_ids.frombytes(req.tokens.tobytes())
         self.block_table: list[int] = []
         self.block_hashes = list(req.chain)       # the trace hashed them with the same formula
         self.num_hashed_blocks = 0
@@ -185,7 +187,7 @@ class FleetSim:
         b = seq.backend
         history = getattr(seq.req, "history_chain", None)
         if history is not None:         # a chat turn: its answer heads the next turn's prompt
-            seq.token_ids.extend(seq.req.output.tolist())
+            seq.token_ids.frombytes(seq.req.output.tobytes())
             if b.bm.allocate(seq, len(seq)):
                 seq.block_hashes = list(history)
                 seq.num_computed_tokens = len(seq)

@@ -64,7 +64,9 @@ class PrefixIndex:
         flag = 1 << bit
         lru = self._lru[name]
         holders = self._holders
-        for h in chain:
+        # tail first, so a block is always more recent than its parent: eviction takes tails
+        # before heads, and whatever an upstream holds stays a prefix (like the engine's LRU)
+        for h in reversed(chain):
             if h in lru:
                 lru.move_to_end(h)
             else:

@@ -277,3 +277,36 @@ async def test_llamacpp_slot_affinity(make_standin, make_gateway):
     assert all(len(s) == 1 for s in slots.values())          # a family keeps its slot
     assert len({next(iter(s)) for s in slots.values()}) > 1  # families use several slots
     assert sent[-1]["id_slot"] == 3 and "cache_prompt" not in sent[-1]
+
+
+def test_index_matches_a_naive_model_and_stays_prefix_closed():
+    from prefixgate.plugins.prefix_index import PrefixIndex
+    rng = random.Random(11)
+    index, naive = PrefixIndex(capacity=40), {}        # naive: name -> list of blocks, LRU order
+    heads = [[rng.getrandbits(63) for _ in range(8)] for _ in range(5)]
+    for step in range(600):
+        name = f"u{rng.randrange(4)}"
+        chain = rng.choice(heads)[:rng.randrange(1, 9)] + [rng.getrandbits(63)
+                                                          for _ in range(rng.randrange(4))]
+        probe = rng.choice(heads)[:rng.randrange(1, 9)]
+        want = {}
+        for n, blocks in naive.items():
+            held = set(blocks)
+            k = 0
+            while k < len(probe) and probe[k] in held:
+                k += 1
+            if k:
+                want[n] = k
+        assert index.match(probe) == want, step
+        if step == 300:                                # an upstream leaves
+            index.remove("u1")
+            naive.pop("u1", None)
+            continue
+        lru = naive.setdefault(name, [])
+        for h in reversed(chain):
+            if h in lru:
+                lru.remove(h)
+            lru.append(h)
+        del lru[:max(0, len(lru) - 40)]
+        index.insert(name, chain)
+    assert all(index.size(n) <= 40 for n in naive)
