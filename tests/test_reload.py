@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -128,9 +129,15 @@ async def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path, make_stan
     up = await make_standin(tokens=12, gap=0.1)
     path = tmp_path / "gw.yaml"
     write(path, {"listen": {"port": 0}, "upstreams": [{"url": up.url}],
-                 "shutdown_timeout_s": 10})
+                 "shutdown_timeout_s": 10, "admin_listen": {"port": 0},
+                 "plugins": ["metrics"]})
     gw = await serve_process(path)
+    admin = re.search(r"admin \(/metrics, /health\) on (http://\S+)", "".join(gw.output))
     async with aiohttp.ClientSession() as client:
+        async with client.get(admin.group(1) + "/metrics") as r:
+            assert r.status == 200 and "prefixgate_ttft_seconds" in await r.text()
+        async with client.get(gw.url + "/metrics") as r:
+            assert r.status == 404
         inflight = asyncio.create_task(stream(client, gw.url))
         await asyncio.sleep(0.3)
         gw.signal(signal.SIGTERM)
