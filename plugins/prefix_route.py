@@ -93,7 +93,6 @@ class PrefixRoute(Plugin):
         self._weights: dict[str, float] = {}
         self._uniform = True
         self._spans: DynamicSpans | None = None
-        self._normalized: bool | None = None
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
                                  "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
@@ -157,28 +156,30 @@ class PrefixRoute(Plugin):
         fleet simulator in ctx.state), so it is not hashed twice."""
         bt = ctx.state.get("block_tokens")
         if bt is None:
-            for p in getattr(getattr(self.gw, "chain", None), "plugins", []):
+            for p in self._plugins(ctx):
                 if getattr(p, "name", "") == "prerender":
                     return p.cfg.get("block_tokens")
         return bt
+
+    def _plugins(self, ctx) -> list:
+        """The chain this request runs on (a reload may have swapped the gateway's since)."""
+        chain = ctx.state.get("chain") or getattr(self.gw, "chain", None)
+        return getattr(chain, "plugins", [])
 
     def _dynamic_spans(self, ctx) -> DynamicSpans | None:
         mode = self.cfg["dynamic_cut"]
         if mode == "never":
             return None
-        if mode == "auto":
-            if self._normalized is None:
-                self._normalized = self._normalize_runs_first()
+        if mode == "auto" and self._normalize_runs_first(ctx):
             opted_out = ctx.headers.get("x-prefixgate-normalize", "").strip().lower() == "off"
-            if self._normalized and not opted_out:
+            if not opted_out:
                 return None
         if self._spans is None:
             self._spans = DynamicSpans()
         return self._spans
 
-    def _normalize_runs_first(self) -> bool:
-        plugins = getattr(getattr(self.gw, "chain", None), "plugins", [])
-        for p in plugins:
+    def _normalize_runs_first(self, ctx) -> bool:
+        for p in self._plugins(ctx):
             if p is self:
                 return False
             if getattr(p, "name", "") == "normalize":

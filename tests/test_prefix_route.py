@@ -310,3 +310,20 @@ def test_index_matches_a_naive_model_and_stays_prefix_closed():
         del lru[:max(0, len(lru) - 40)]
         index.insert(name, chain)
     assert all(index.size(n) <= 40 for n in naive)
+
+
+async def test_with_normalize_first_the_key_is_not_cut(make_standin, make_gateway):
+    standins = [await make_standin() for _ in range(2)]
+    gw = await make_gateway({"upstreams": [{"name": f"u{i}", "url": s.url}
+                                           for i, s in enumerate(standins)],
+                             "plugins": ["normalize", "prefix_route"]})
+    key = lambda route: re.search(r"key=([0-9a-f]+)", route).group(1)
+    async with aiohttp.ClientSession() as client:
+        keys = set()
+        for second in range(10, 14):
+            system = (f"Current time: 2026-03-15 14:22:{second}. You are a support bot for ACME "
+                      "with a long preamble. " * 5)
+            _, _, route = await post(client, gw.url, body(system, "hi"))
+            keys.add(key(route))
+            assert "blocks=0" not in route          # the moved value no longer cuts the chain
+    assert len(keys) == 1
