@@ -122,12 +122,28 @@ async def apply(gw, cfg: dict) -> None:
     gw.auth = new_auth
     gw.retries = cfg["retries"]
     gw.health.reconfigure(cfg["health"])
-    await _apply_upstreams(gw, cfg["upstreams"])
+    discovery, restart = _discovery_for(gw, cfg)
+    if restart:
+        await gw.discovery.close()
+        gw.discovery = discovery
+    found = [] if restart or discovery is None or discovery.cfg is None else [
+        discovery.upstream_config(a) for a in discovery.addresses]   # keep what DNS gave
+    await _apply_upstreams(gw, cfg["upstreams"] + found)
     _warn_restart_only(gw.config, cfg)
     gw.config = cfg
+    if restart:
+        await discovery.start()     # resolves once, then adds its upstreams to the static ones
     asyncio.get_running_loop().create_task(_retire(gw, old_chain, dropped))
     log.warning("config reloaded: %d upstream(s), %d plugin(s) (%d rebuilt)",
                 len(gw.upstreams), len(chain.plugins), len(fresh))
+
+
+def _discovery_for(gw, cfg: dict):
+    """(the discovery to use, whether it is new) — rebuilt only when its settings changed."""
+    current = getattr(gw, "discovery", None)
+    if current is None or cfg.get("discovery") == gw.config.get("discovery"):
+        return current, False
+    return type(current)(cfg.get("discovery"), gw), True
 
 
 async def _apply_upstreams(gw, configs: list[dict]) -> None:

@@ -167,3 +167,30 @@ async def test_sigterm_deadline_cuts_streams_that_run_too_long(tmp_path, make_st
         with pytest.raises((aiohttp.ClientError, AssertionError)):
             _, events = await inflight
             assert events[-1] == "[DONE]"
+
+
+async def test_reload_keeps_dns_discovered_upstreams(make_standin, make_gateway):
+    static, pod = await make_standin(), await make_standin()
+    port = int(pod.url.rsplit(":", 1)[1])
+    raw = {"upstreams": [{"name": "static", "url": static.url}],
+           "discovery": {"dns": "pods.fleet.invalid", "port": port, "interval_s": 60}}
+    gw = await make_gateway(raw)
+    g = gw.gateway
+
+    async def answers(host, port, family):
+        return ["127.0.0.1"]
+    g.discovery.resolver = answers
+    assert await g.discovery.refresh()
+    pod_name = f"127.0.0.1:{port}"
+    assert sorted(u.name for u in g.upstreams) == [pod_name, "static"]
+    # a reload that changes a static upstream keeps what DNS found ...
+    await g.reload(config_mod.validate({**raw, "upstreams": [
+        {"name": "static", "url": static.url, "max_inflight": 7}]}))
+    assert sorted(u.name for u in g.upstreams) == [pod_name, "static"]
+    assert next(u for u in g.upstreams if u.name == "static").max_inflight == 7
+    # ... and one that changes discovery settings starts a new discovery
+    old = g.discovery
+    await g.reload(config_mod.validate({**raw, "discovery": {**raw["discovery"],
+                                                             "interval_s": 30}}))
+    assert g.discovery is not old and g.discovery.cfg["interval_s"] == 30
+    assert [u.name for u in g.upstreams] == ["static"]   # the real lookup of *.invalid fails
