@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
 from . import guard, h1pool, plugin as plugins
+from ..plugins import token_forward
 from .auth import Auth
 from .context import RequestContext
 from .errors import HTTPError
@@ -280,6 +281,10 @@ class Gateway:
             u.healthy and u is not up for u in self.upstreams)
 
     async def _exchange(self, request, ctx, up: Upstream, data: bytes) -> web.StreamResponse:
+        path, as_tokens = ctx.path, self._as_tokens(ctx, up)
+        if as_tokens:
+            path = "/v1/completions"
+            data = encode_body(token_forward.chat_to_completions(ctx.body, ctx.tokens))
         up.inflight += 1
         upstream_resp: h1pool.Response | None = None
         try:
@@ -287,14 +292,14 @@ class Gateway:
             try:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
                     upstream_resp = await up.pool.request(
-                        "POST", ctx.path, self._upstream_headers(ctx, up), data)
+                        "POST", path, self._upstream_headers(ctx, up), data)
                     first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
                 self.health.bad_answer(up, "first-byte timeout")
                 raise HTTPError(504, f"upstream {up.name} sent no response within "
                                 f"{up.timeouts['first_byte']}s", code="upstream_timeout") from None
             except h1pool.UpstreamError as e:
-                if str(e).startswith(("cannot connect", "connect timeout")):
+                if e.connect:
                     self.health.connect_failed(up, str(e))
                 else:
                     self.health.bad_answer(up, str(e))
@@ -306,14 +311,23 @@ class Gateway:
             else:
                 self.health.good_answer(up)
             if ctx.stream and is_event_stream(upstream_resp):
-                return await self._relay_stream(request, ctx, up, upstream_resp, first)
-            return await self._relay_whole(request, ctx, up, upstream_resp, first)
+                return await self._relay_stream(request, ctx, up, upstream_resp, first,
+                                                token_forward.StreamConverter() if as_tokens
+                                                else None)
+            return await self._relay_whole(request, ctx, up, upstream_resp, first, as_tokens)
         finally:
             up.inflight -= 1
             if upstream_resp is not None:
                 upstream_resp.close()    # unfinished: drops the connection, the backend stops
 
-    async def _relay_whole(self, request, ctx, up, upstream_resp, first) -> web.Response:
+    @staticmethod
+    def _as_tokens(ctx: RequestContext, up: Upstream) -> bool:
+        """Send this chat as token ids? (`forward: tokens` and prerender's tokens at hand)"""
+        return (up.cfg.get("forward") == "tokens" and ctx.tokens is not None
+                and ctx.path == "/v1/chat/completions" and token_forward.eligible(ctx.body))
+
+    async def _relay_whole(self, request, ctx, up, upstream_resp, first,
+                           as_tokens: bool = False) -> web.Response:
         try:
             async with asyncio.timeout(up.timeouts["idle"]):
                 rest = await upstream_resp.read_all()
@@ -325,14 +339,21 @@ class Gateway:
         if problem:
             self.health.bad_answer(up, problem)
             raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
+        body = first + rest
+        if as_tokens and upstream_resp.status == 200:
+            body = encode_body(token_forward.completion_to_chat(json.loads(body)))
         ctx.stamp("first_byte")
         for hook in ctx.state["chain"].on_first_byte:
             hook(ctx)
         ctx.status = upstream_resp.status
-        return web.Response(status=upstream_resp.status, body=first + rest,
+        return web.Response(status=upstream_resp.status, body=body,
                             headers=self._response_headers(ctx, upstream_resp))
 
-    async def _relay_stream(self, request, ctx, up, upstream_resp, first) -> web.StreamResponse:
+    async def _relay_stream(self, request, ctx, up, upstream_resp, first,
+                            convert: token_forward.StreamConverter | None = None
+                            ) -> web.StreamResponse:
+        """Write each upstream chunk to the client as it arrives (`convert`: token-id
+        completions rewritten into chat chunks, event by event)."""
         resp = EventStreamResponse(status=upstream_resp.status,
                                    headers=self._response_headers(ctx, upstream_resp))
         ctx.status = upstream_resp.status
@@ -349,10 +370,14 @@ class Gateway:
                 ctx.chunks += chunk.count(b"data:")
                 for hook in on_chunk:
                     hook(ctx, chunk)
+                if convert is not None:
+                    chunk = convert.feed(chunk) + (convert.flush() if upstream_resp.is_eof()
+                                                   else b"")
                 if upstream_resp.is_eof():   # last piece: send it with the chunked terminator
                     await resp.write_eof(chunk)
                     return resp
-                await resp.write(chunk)
+                if chunk:
+                    await resp.write(chunk)
                 try:
                     async with asyncio.timeout(idle):
                         chunk = await upstream_resp.read()

@@ -121,6 +121,9 @@ UPSTREAM = {
     "weight": Key((int, float), 1.0, positive),
     "timeouts": Key(dict, dict, nested=TIMEOUTS),
     "headers": Key(dict, dict),                   # extra headers sent upstream (e.g. auth)
+    # "tokens": chats that `prerender` tokenized go to /v1/completions as token ids
+    # (backends that accept them: the bundled engine, vLLM); the answer comes back as chat
+    "forward": Key(str, "json", one_of("json", "tokens")),
 }
 
 TOP = {

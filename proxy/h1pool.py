@@ -24,9 +24,10 @@ READ_PAUSE_BYTES = 256 * 1024      # stop reading the upstream while this much i
 class UpstreamError(Exception):
     """The connection failed, was refused or reset, or the upstream spoke broken HTTP."""
 
-    def __init__(self, message: str, sent_nothing: bool = False):
+    def __init__(self, message: str, sent_nothing: bool = False, connect: bool = False):
         super().__init__(message)
         self.sent_nothing = sent_nothing     # no response byte arrived: safe to retry
+        self.connect = connect               # no connection could be opened at all
 
 
 class Response:
@@ -291,10 +292,11 @@ class Pool:
         except TimeoutError:
             self._wake_one()
             raise UpstreamError(f"connect timeout after {self.connect_timeout}s",
-                                sent_nothing=True) from None
+                                sent_nothing=True, connect=True) from None
         except OSError as e:
             self._wake_one()
-            raise UpstreamError(f"cannot connect: {e.strerror or e}", sent_nothing=True) from None
+            raise UpstreamError(f"cannot connect: {e.strerror or e}", sent_nothing=True,
+                                connect=True) from None
         finally:
             self.connecting -= 1
         self.open.add(conn)

@@ -100,3 +100,48 @@ def test_errors_and_unknown_events_pass_unchanged():
     err = b'data: {"error": {"message": "x", "type": "server_error", "code": null}}\n\n'
     assert conv.feed(err + b": keep-alive\n\n") == err + b": keep-alive\n\n"
     assert completion_to_chat({"error": {"message": "x"}}) == {"error": {"message": "x"}}
+
+
+async def test_gateway_forwards_tokens_and_answers_in_chat_form(server, model_dir, make_gateway):
+    """prerender + `forward: tokens` through the real gateway to the real engine."""
+    gw = await make_gateway({"upstreams": [{"name": "engine", "url": server.url,
+                                            "forward": "tokens"}],
+                             "model": {"tokenizer": str(model_dir)},
+                             "plugins": [{"prerender": {}}]})
+    async with aiohttp.ClientSession() as client:
+        async with client.post(server.url + "/v1/chat/completions", json=CHAT) as r:
+            direct = await r.json()
+        async with client.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+            proxied = await r.json()
+        stream = {**CHAT, "stream": True}
+        async with client.post(gw.url + "/v1/chat/completions", json=stream) as r:
+            assert r.status == 200
+            raw = await r.read()
+        metrics = await (await client.get(server.url + "/metrics")).text()
+    assert proxied["object"] == "chat.completion"
+    assert proxied["choices"][0]["message"] == direct["choices"][0]["message"]
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert streamed == direct["choices"][0]["message"]["content"]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert "prefixgate:prefix_cache_hits" in metrics
+
+
+async def test_forward_tokens_leaves_tool_requests_in_chat_form(make_standin, make_gateway,
+                                                               model_dir):
+    up = await make_standin()
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": up.url, "forward": "tokens"}],
+                             "model": {"tokenizer": str(model_dir)},
+                             "plugins": [{"prerender": {}}]})
+    async with aiohttp.ClientSession() as client:
+        for extra in ({}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+            async with client.post(gw.url + "/v1/chat/completions", json={**CHAT, **extra}) as r:
+                assert r.status == 200
+                body = await r.json()
+                assert body["object"] == "chat.completion"
+    plain, tools = up.requests
+    assert plain["path"] == "/v1/completions" and isinstance(plain["json"]["prompt"], list)
+    assert all(isinstance(t, int) for t in plain["json"]["prompt"])
+    assert tools["path"] == "/v1/chat/completions" and "messages" in tools["json"]
