@@ -4,6 +4,9 @@ the Prometheus names."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import sys
 
 import aiohttp
 import openai
@@ -189,3 +192,30 @@ async def test_fp8_kv_cache_serves(model_dir):
             got = await complete_ids(s, fp8.url, prompt, 4)
         assert fp8.server.engine.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert len(got["token_ids"]) == 4 and got["token_ids"][0] == expected[0]
+
+
+async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
+    """`python -m prefixgate.backend.server`, as the gateway's standalone mode launches it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.backend.server", "--model", str(model_dir), "--port", str(port),
+        "--log-level", "warning", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+            got = await complete_ids(s, url, [5, 6, 7], 3)
+        assert len(got["token_ids"]) == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, out.decode()
+    assert f"at {url}" in out.decode()
