@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
-                   "512,2400,8000; seed: the prompt length, 768)")
+                   "512,2400,8000; seed: the prompt length, 1536)")
     p.add_argument("--concurrency", type=int_list, help="closed-loop concurrency levels "
                    "(default 1,8,32; seed: one level, 4)")
     p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "

@@ -27,6 +27,7 @@ class Sample:
     output_tokens: int = 0           # usage.completion_tokens, else content events
     content_events: int = 0
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, likewise
     status: int | None = None
     error: str | None = None
 
@@ -101,6 +102,8 @@ def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample
     usage = obj.get("usage")
     if usage:
         s.prompt_tokens = usage.get("prompt_tokens", s.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        s.cached_tokens = details.get("cached_tokens", s.cached_tokens)
         s.output_tokens = usage.get("completion_tokens") or s.output_tokens
     if has_content(obj) or (last is None and finished(obj)):
         if last is None:

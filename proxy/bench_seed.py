@@ -51,7 +51,10 @@ class Stage:
 
     def plugins(self, w: "Workload") -> list[dict]:
         chain = [{"normalize": {}}] if self.normalize else []
-        chain.append({"prefix_route": {"policy": w.policy}} if self.routing == "prefix_route"
+        route = {"policy": w.policy}
+        if w.policy == "cache_aware":
+            route["balance_abs_threshold"] = w.balance_abs
+        chain.append({"prefix_route": route} if self.routing == "prefix_route"
                      else {"round_robin": {}})
         return chain + [{"metrics": {}}]
 
@@ -67,7 +70,7 @@ STAGES = [
 
 @dataclass
 class Workload:
-    prompt_tokens: int = 768         # whole prompt, chat template included
+    prompt_tokens: int = 1536        # whole prompt, chat template included
     shared: float = 0.8              # system prompt + tools (timestamp at its head)
     tenants: int = 16                # distinct system prompts + tool sets
     concurrency: int = 4             # closed loop, over both engines
@@ -79,6 +82,8 @@ class Workload:
     batched_tokens: int = 512        # engine step budget
     cached_tenants: float = 0.75     # fraction of all tenants' prefixes one engine's KV holds
     policy: str = "cache_aware"      # prefix_route policy for the last stage
+    balance_abs: float = 2           # cache_aware: in-flight gap that counts as imbalance
+                                     # (the default 8 suits fleets; here 4 are in flight)
     rounds: int = 1                  # runs of every stage, interleaved, samples pooled
     seed: int = 0
     block_size: int = 16
@@ -95,7 +100,7 @@ class Workload:
 
 
 def tools_for(tenant: int, prompt_tokens: int) -> list[dict]:
-    """A tenant's tool definitions: up to three, about a third of a 768-token prompt."""
+    """A tenant's tool definitions: up to three (one per 250 prompt tokens)."""
     rng = random.Random(f"tools{tenant}")
     names = ("search", "lookup", "update")[:max(1, min(3, prompt_tokens // 250))]
     return [{"type": "function", "function": {
@@ -106,7 +111,7 @@ def tools_for(tenant: int, prompt_tokens: int) -> list[dict]:
 
 
 class SeedPrompts:
-    """Request i: a random tenant's system prompt + tools (with the time at its head) and a
+    """Request i: a tenant's system prompt + tools (with the time at its head) and a
     per-request user message; the tenant is drawn at random so no router sees a pattern."""
 
     def __init__(self, w: Workload, lengths: Lengths):
@@ -117,7 +122,13 @@ class SeedPrompts:
                      for t in range(w.tenants)]
 
     def body(self, i: int) -> dict:
-        tenant = random.Random(f"{self.w.seed}:tenant:{i}").randrange(self.w.tenants)
+        """Warm-up requests (i < warmup of each round) visit the tenants in turn, so every
+        stage starts measuring from the same steady state; measured ones draw at random."""
+        per_round = self.w.warmup + self.w.requests
+        if i % per_round < self.w.warmup:
+            tenant = i % per_round % self.w.tenants
+        else:
+            tenant = random.Random(f"{self.w.seed}:tenant:{i}").randrange(self.w.tenants)
         return self.sets[tenant].body(i)
 
 
