@@ -229,7 +229,8 @@ async def test_seed_stages_run_behind_the_gateway(capsys):
     assert "--no-prefix-caching" in base["engine_args"] and "--no-chunked-prefill" in base["engine_args"]
     assert base["gateway"]["plugins"] == [{"round_robin": {}}, {"metrics": {}}]
     assert {"normalize": {}} in cached["gateway"]["plugins"]
-    assert routed["gateway"]["plugins"][1] == {"prefix_route": {"policy": "cache_aware"}}
+    assert routed["gateway"]["plugins"][1] == {"prefix_route": {
+        "policy": "cache_aware", "balance_abs_threshold": w.balance_abs}}
     assert sum(e["prefix_hits"] for e in base["engines"]) == 0
     assert sum(e["prefix_hits"] for e in cached["engines"]) > 0
     assert set(routed["routes"]) <= {"cache", "new", "balance", "nokey"} and routed["routes"]
