@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +183,17 @@ def test_tied_embeddings_have_no_head_parameter(tmp_path):
     hidden = torch.randn(3, config.hidden_size)
     expected = hidden @ model.model.embed_tokens.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+def test_verify_weights_command_line(model_dir):
+    """`prefixgate verify-weights DIR` end to end: report on stdout, exit status 0 / 1."""
+    exe = Path(sys.executable).parent / "prefixgate"
+    if not exe.exists():
+        pytest.skip("prefixgate console script not installed")
+    good = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True, text=True)
+    assert good.returncode == 0 and good.stdout.rstrip().endswith("OK"), good.stderr
+    (model_dir / "config.json").write_text(
+        (model_dir / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
+    bad = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "PROBLEM: missing tensor model.layers.2.self_attn.q_proj.weight" in bad.stdout
