@@ -63,13 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
-                   "512,2400,8000; seed: the prompt length, 1536)")
+                   "512,2400,8000; seed: the prompt length, 1024)")
     p.add_argument("--concurrency", type=int_list, help="closed-loop concurrency levels "
                    "(default 1,8,32; seed: one level, 4)")
     p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "
                    "requests/s (replaces --concurrency)")
     p.add_argument("--requests", type=int, help="measured requests per cell (default 200; "
-                   "seed: per stage, 48)")
+                   "seed: per stage and round, 40)")
     p.add_argument("--warmup", type=int, help="uncounted requests before each cell (default "
                    "10; seed: 32)")
     p.add_argument("--max-tokens", type=int, help="output tokens per request (default 1; "
@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="seed: 24 measured requests per stage")
+    p.add_argument("--quick", action="store_true", help="seed: one round of 24 measured requests per stage")
     p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
-                   "pooled, to even out a shared machine (default 1)")
+                   "pooled, to even out a shared machine (default 2)")
     p.add_argument("--policy", choices=["chwbl", "cache_aware"], help="seed: prefix_route "
                    "policy of the affinity stage (default cache_aware)")
     p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
