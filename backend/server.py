@@ -84,20 +84,15 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, default_max
 
 # --- the app ----------------------------------------------------------------------------------
 
-@dataclass
-class _Ctx:
-    engine: AsyncEngine
-    metrics: EngineMetrics
-    model_name: str
-    default_max_tokens: int
-
-
 class EngineServer:
+    """The HTTP handlers over one engine."""
+
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS):
-        core = engine.engine
-        self.ctx = _Ctx(engine, metrics, core.served_model_name, default_max_tokens)
         self.engine = engine
-        self.core = core
+        self.core = engine.engine
+        self.engine_metrics = metrics
+        self.model_name = self.core.served_model_name
+        self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -114,11 +109,11 @@ class EngineServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.ctx.model_name, "object": "model", "created": self.created,
+            "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "prefixgate", "max_model_len": self.core.max_model_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.ctx.metrics.registry),
+        return web.Response(body=generate_latest(self.engine_metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -175,10 +170,10 @@ class EngineServer:
                             code="context_length_exceeded")
         if not ids:
             raise HTTPError(400, "the prompt is empty", code="invalid_value")
-        params = sampling_params(body, len(ids), limit, self.ctx.default_max_tokens)
+        params = sampling_params(body, len(ids), limit, self.default_max_tokens)
         stream = _field(body, "stream", bool, False)
         opts = _field(body, "stream_options", dict, {})
-        fmt = _Format(chat, self.ctx.model_name, bool(_field(body, "return_token_ids", bool, False)),
+        fmt = _Format(chat, self.model_name, bool(_field(body, "return_token_ids", bool, False)),
                       ids, bool(opts.get("include_usage")))
         out_stream = self.engine.generate(ids, params, arrival_time=arrival)
         try:
@@ -188,7 +183,7 @@ class EngineServer:
         finally:
             out_stream.close()          # aborts the sequence unless it finished
             if not out_stream.completed:
-                self.ctx.metrics.forget(out_stream.request_id)
+                self.engine_metrics.forget(out_stream.request_id)
 
     async def _whole(self, outputs, fmt: "_Format") -> web.Response:
         text, token_ids, last = [], [], None
