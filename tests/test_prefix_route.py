@@ -327,3 +327,29 @@ async def test_with_normalize_first_the_key_is_not_cut(make_standin, make_gatewa
             keys.add(key(route))
             assert "blocks=0" not in route          # the moved value no longer cuts the chain
     assert len(keys) == 1
+
+
+@pytest.mark.parametrize("policy", ["chwbl", "cache_aware"])
+async def test_odd_bodies_route_without_errors(make_standin, make_gateway, policy):
+    _, gw = await fleet(make_standin, make_gateway, 3, {"prefix_route": {"policy": policy}})
+    odd = [
+        {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x" * 300},
+            {"type": "image_url", "image_url": {"url": "http://img/1.png"}}]}]},
+        {"model": "m", "messages": [{"role": "assistant", "content": None,
+                                     "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{}"}}]},
+                                    {"role": "user", "content": "hi"}],
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"model": "m", "messages": [{"role": "user", "content": "short"}]},
+        {"model": "m", "prompt": [[5] * 40, [6] * 40]},
+        {"model": "m", "prompt": ["p" * 300, "q"]},
+        {"model": "m", "prompt": ""},
+    ]
+    async with aiohttp.ClientSession() as client:
+        for payload in odd:
+            path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
+            async with client.post(gw.url + path, json=payload) as r:
+                await r.read()
+                assert r.status == 200, (payload, r.status)
+                assert r.headers["x-prefixgate-route"].startswith(policy)
