@@ -66,7 +66,8 @@ def plugins_for(policy: str, cost: CostModel, route: dict | None = None) -> list
 class SimSeq:
     """The attributes of `backend.sequence.Sequence` that the block manager uses."""
     __slots__ = ("token_ids", "block_table", "block_hashes", "num_hashed_blocks",
-                 "num_computed_tokens", "num_cached_tokens", "req", "ctx", "arrived", "backend")
+                 "num_computed_tokens", "num_cached_tokens", "req", "ctx", "arrived", "backend",
+                 "replica")
 
     def __init__(self, req, ctx, arrived: float, backend):
         self.token_ids = array("q")             # slices to tuples at C speed, unlike numpy's
@@ -77,6 +78,7 @@ class SimSeq:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.req, self.ctx, self.arrived, self.backend = req, ctx, arrived, backend
+        self.replica = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -95,18 +97,27 @@ class Backend:
 
 class FleetSim:
     def __init__(self, backends: int, policy: str, trace: TraceConfig, cost: CostModel | None = None,
-                 route: dict | None = None, seed: int = 0):
+                 route: dict | None = None, seed: int = 0, replicas: int = 1,
+                 shared_load: bool = False):
         self.cost = cost or CostModel()
         self.trace_cfg = trace
         self.policy = policy
         self.bt = trace.block_tokens
         random.seed(seed)                              # the gateway's tie-breaks
-        self.gw = Gateway(validate({
+        # Gateway replicas take requests in turn, each with its own view of the load: only its
+        # own requests (local in-flight counts) or, with shared_load, every replica's (what
+        # polling the backends' /metrics converges to).
+        self.gws = [Gateway(validate({
             "upstreams": [{"name": f"b{i}", "url": f"http://sim-{i}:8000", "max_inflight": 10**9}
                           for i in range(backends)],
-            "plugins": plugins_for(policy, self.cost, route)}))
+            "plugins": plugins_for(policy, self.cost, route)})) for _ in range(replicas)]
+        self.gw = self.gws[0]
+        self.views = {u.name: [g.upstreams[i] for g in self.gws]
+                      for i, u in enumerate(self.gw.upstreams)}
+        self.shared_load = shared_load
         self.backends = {u.name: Backend(u, self.cost, self.bt) for u in self.gw.upstreams}
-        self.first_byte_hooks = self.gw.chain.on_first_byte
+        self.agree = self.compared = 0
+        self._turn = 0
         self.events: list = []
         self._n = 0
         self.ttft: list[float] = []
@@ -142,15 +153,39 @@ class FleetSim:
         ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain
         ctx.state["block_tokens"] = self.bt
+        replica = self._turn % len(self.gws)
+        self._turn += 1
         t0 = time.perf_counter()
-        up = self.gw.pick(ctx)
+        up = self.gws[replica].pick(ctx)
         self.pick_s.append(time.perf_counter() - t0)
-        up.inflight += 1
+        if len(self.gws) > 1:
+            self._compare(req, replica, up.name)
+        self._count(up.name, replica, +1)
         ctx.upstream = up
         self._oracle_lookup(req)
         b = self.backends[up.name]
-        b.queue.append(SimSeq(req, ctx, now, b))
+        seq = SimSeq(req, ctx, now, b)
+        seq.replica = replica
+        b.queue.append(seq)
         self._try_start(b, now)
+
+    def _count(self, name: str, replica: int, delta: int) -> None:
+        views = self.views[name]
+        if self.shared_load:
+            for up in views:
+                up.inflight += delta
+        else:
+            views[replica].inflight += delta
+
+    def _compare(self, req, replica: int, chosen: str) -> None:
+        """Would the other replicas have chosen the same upstream for this request?"""
+        for i, gw in enumerate(self.gws):
+            if i != replica:
+                shadow = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
+                shadow.tokens, shadow.block_hashes = req.tokens, req.chain
+                shadow.state["block_tokens"] = self.bt
+                self.agree += gw.pick(shadow).name == chosen
+                self.compared += 1
 
     def _try_start(self, b: Backend, now: float) -> None:
         if b.prefilling is not None or not b.queue or b.running >= self.cost.max_running:
@@ -177,7 +212,7 @@ class FleetSim:
         seq.num_computed_tokens = len(seq)
         b.bm.cache_full_blocks(seq)
         self.ttft.append(now - seq.arrived)
-        for hook in self.first_byte_hooks:          # prefix_route records the choice here
+        for hook in self.gws[seq.replica].chain.on_first_byte:   # prefix_route records here
             hook(seq.ctx)
         c = self.cost
         self._at(now + len(seq.req.output) * (c.tpot_s + c.tpot_per_running_s * b.running), 1, seq)
@@ -196,7 +231,7 @@ class FleetSim:
         b.bm.free(seq)
         b.running -= 1
         b.served += 1
-        b.up.inflight -= 1
+        self._count(b.up.name, seq.replica, -1)
         self._try_start(b, now)
 
     def _oracle_lookup(self, req) -> None:
@@ -231,6 +266,8 @@ class FleetSim:
             "hit_rate_by_kind": {k: h / n for k, (h, n) in sorted(self.by_kind.items())},
             "pick_us_p50": float(np.percentile(pick_us, 50)),
             "pick_us_p99": float(np.percentile(pick_us, 99)),
+            "replicas": len(self.gws), "shared_load": self.shared_load,
+            "replica_agreement": self.agree / self.compared if self.compared else None,
             "sim_seconds": sim_s, "wall_seconds": wall_s,
         }
 
@@ -260,6 +297,10 @@ def main(argv=None) -> int:
                    help="offered prefill work without any cache, as a fraction of capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--route", default="{}", help="extra prefix_route settings, as JSON")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="gateway replicas taking requests in turn (reports their agreement)")
+    p.add_argument("--shared-load", action="store_true",
+                   help="replicas see all replicas' load (as polled /metrics would show)")
     for f in fields(CostModel):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", help="save results and the settings used to this file")
@@ -270,7 +311,8 @@ def main(argv=None) -> int:
     route = json.loads(args.route)
     results = []
     for policy in args.policies.split(","):
-        r = FleetSim(args.backends, policy, trace, cost, route, args.seed).run()
+        r = FleetSim(args.backends, policy, trace, cost, route, args.seed, args.replicas,
+                     args.shared_load).run()
         results.append(r)
         print(_row(r), flush=True)
     base = next((r for r in results if r["policy"] == "round_robin"), None)
@@ -293,6 +335,8 @@ def _row(r: dict) -> str:
             f"p95 {r['ttft_p95_s'] * 1e3:8.1f} ms  p99 {r['ttft_p99_s'] * 1e3:8.1f} ms  "
             f"load max/mean {r['load_max_mean_requests']:.2f} req, {r['load_max_mean_busy']:.2f} "
             f"busy  util {r['utilization']:.0%}  pick {r['pick_us_p50']:.0f} us  "
+            + (f"replicas agree {r['replica_agreement']:.1%}  " if r["replica_agreement"] is not None
+               else "") +
             f"wall {r['wall_seconds']:.1f} s")
 
 

@@ -84,3 +84,11 @@ def test_cli_saves_json(tmp_path):
     saved = json.loads(path.read_text())
     assert [r["policy"] for r in saved["results"]] == ["round_robin", "chwbl"]
     assert saved["settings"]["cost"]["kv_blocks"] == 1024
+
+
+def test_replicas_agree_when_they_share_the_load_view():
+    shared = FleetSim(4, "chwbl", trace(400), COST, replicas=2, shared_load=True).run()
+    local = FleetSim(4, "chwbl", trace(400), COST, replicas=2).run()
+    assert shared["replica_agreement"] >= 0.99
+    assert 0 < local["replica_agreement"] <= 1
+    assert shared["requests"] == local["requests"] == 400
