@@ -111,33 +111,45 @@ async def bench_chunked(model: str, repeats: int, prompts: Prompts) -> dict:
             "samples_s": {"chunked": on, "whole_prompts": off}, "chunked_p95": m_off / m_on}
 
 
-async def bench_throughput(model: str, prompts: Prompts, n: int = 16, new_tokens: int = 128) -> dict:
-    batch = [prompts(32) for _ in range(n)]
+async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 16, new_tokens: int = 128) -> dict:
+    """Engine batch and transformers one-by-one, alternated, so both see the same machine load."""
     server = await serve(model)
+    ours, theirs = [], []
     try:
+        hf = await asyncio.to_thread(_load_hf, server.engine.engine.model_dir)
         async with aiohttp.ClientSession() as s:
             await ttft(s, server.url, prompts(32), max_tokens=4)
-            t0 = time.perf_counter()
-            await asyncio.gather(*(ttft(s, server.url, p, max_tokens=new_tokens) for p in batch))
-            ours = time.perf_counter() - t0
-        model_dir = server.engine.engine.model_dir
+            for _ in range(repeats):
+                batch = [prompts(32) for _ in range(n)]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(ttft(s, server.url, p, max_tokens=new_tokens) for p in batch))
+                ours.append(time.perf_counter() - t0)
+                theirs.append(await asyncio.to_thread(_hf_one_by_one, hf, batch, new_tokens))
     finally:
         await server.close()
-    hf = await asyncio.to_thread(_hf_one_by_one, model_dir, batch, new_tokens)
     tokens = n * new_tokens
-    return {"engine_s": ours, "transformers_s": hf, "engine_tok_per_s": tokens / ours,
-            "transformers_tok_per_s": tokens / hf, "throughput": hf / ours}
+    m_ours, m_hf = statistics.median(ours), statistics.median(theirs)
+    return {"engine_s": m_ours, "transformers_s": m_hf, "samples_s": {"engine": ours, "transformers": theirs},
+            "engine_tok_per_s": tokens / m_ours, "transformers_tok_per_s": tokens / m_hf,
+            "throughput": m_hf / m_ours}
 
 
-def _hf_one_by_one(model_dir, batch: list[list[int]], new_tokens: int) -> float:
+def _load_hf(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    with torch.inference_mode():   # warm-up
+        model.generate(torch.tensor([[16, 17, 18]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return model
+
+
+def _hf_one_by_one(model, batch: list[list[int]], new_tokens: int) -> float:
+    import torch
+
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(torch.tensor([batch[0]]), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
         t0 = time.perf_counter()
         for prompt in batch:
             model.generate(torch.tensor([prompt]), **kwargs)
@@ -159,7 +171,7 @@ async def run(args) -> dict:
         result["chunked_prefill"] = await bench_chunked(args.model, args.repeats, prompts)
         _report_b(result["chunked_prefill"])
     if "c" in parts:
-        result["continuous_batching"] = await bench_throughput(args.model, prompts)
+        result["continuous_batching"] = await bench_throughput(args.model, args.repeats, prompts)
         _report_c(result["continuous_batching"])
     return result
 
@@ -185,7 +197,7 @@ def _report_b(r):
 
 
 def _report_c(r):
-    print(f"c) 16 x 128 tokens: engine {r['engine_s']:.1f} s ({r['engine_tok_per_s']:.0f} tok/s), "
+    print(f"c) 16 x 128 tokens (medians): engine {r['engine_s']:.1f} s ({r['engine_tok_per_s']:.0f} tok/s), "
           f"transformers one by one {r['transformers_s']:.1f} s ({r['transformers_tok_per_s']:.0f} tok/s)")
     print(f"   throughput: {_verdict(r['throughput'], 'throughput')}")
 
