@@ -198,3 +198,25 @@ def test_engine_state_from_vllm_metrics():
     quiet = {f.title: f for f in engine_state(start, start)}
     assert quiet["preemptions"].status == "WARN"       # some happened before this check
     assert quiet["KV cache usage"].status == "PASS" and "queue" not in quiet
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
+async def test_real_engine_prefix_cache_on_and_off(caching, tmp_path):
+    from engine_support import ServerThread
+    argv = ["--model", "demo", "--max-num-batched-tokens", "2048"]
+    with ServerThread(argv + ([] if caching else ["--no-prefix-caching"])) as engine:
+        rc, report, err = await doctor(engine.url, "--max-tokens", "8", "--request",
+                                       write(tmp_path, "r.json", CLEAN))
+    found = by_title(report)["prefix cache"]
+    assert found["data"]["metric"] == "prefixgate:prefix_cache_queries"
+    if caching:
+        assert rc == 0, (report, err)
+        assert found["status"] == "PASS" and found["data"]["hit_ratio"] > 0.8
+    else:
+        assert rc == 1, (report, err)
+        assert found["status"] == "FAIL" and found["data"]["hits"] == 0
+    f = by_title(report)
+    assert f["streaming"]["status"] == "PASS"
+    # the engine's own TTFT histogram is there to compare the client's with
+    assert f["client vs server TTFT"]["data"]["metric"] == "prefixgate:time_to_first_token_seconds"
+    assert f["preemptions"]["status"] == "PASS"
