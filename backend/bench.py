@@ -53,6 +53,15 @@ async def ttft(session, url: str, prompt: list[int], max_tokens: int = 1) -> flo
     return first
 
 
+async def complete(session, url: str, prompt: list[int], max_tokens: int) -> int:
+    """One whole (non-streamed) greedy completion; returns the completion tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        return (await r.json())["usage"]["completion_tokens"]
+
+
 def p95(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
@@ -122,8 +131,9 @@ async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 
             for _ in range(repeats):
                 batch = [prompts(32) for _ in range(n)]
                 t0 = time.perf_counter()
-                await asyncio.gather(*(ttft(s, server.url, p, max_tokens=new_tokens) for p in batch))
+                done = await asyncio.gather(*(complete(s, server.url, p, new_tokens) for p in batch))
                 ours.append(time.perf_counter() - t0)
+                assert sum(done) == n * new_tokens
                 theirs.append(await asyncio.to_thread(_hf_one_by_one, hf, batch, new_tokens))
     finally:
         await server.close()
