@@ -256,11 +256,12 @@ async def run(args, lengths: Lengths) -> int:
             prompts = PromptSet(PromptSpec(tier, args.shared_prefix, args.dynamic_head,
                                            seed=args.seed), lengths)
 
-            def make_body(i: int, prompts=prompts) -> dict:
-                return request_body(prompts.body(i), model, args.max_tokens, args.ignore_eos,
-                                    args.endpoint, lengths)
             built = prompts.measured_tokens(prompts.body(0))
-            for kind, value in loads:
+            for n, (kind, value) in enumerate(loads):
+                # each cell its own requests: a cell must not hit the cache of the one before
+                def make_body(i: int, prompts=prompts, offset=n * (args.warmup + args.requests)):
+                    return request_body(prompts.body(offset + i), model, args.max_tokens,
+                                        args.ignore_eos, args.endpoint, lengths)
                 label = (f"tier={tier} c={value}" if kind == "concurrency"
                          else f"tier={tier} rate={value:g}/s")
                 samples = await measure(session, base + path, headers, make_body,

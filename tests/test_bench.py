@@ -241,3 +241,15 @@ async def test_seed_stages_run_behind_the_gateway(capsys):
     assert cached["summary"]["ttft_p50_ms"] < 0.6 * base["summary"]["ttft_p50_ms"]
     out = capsys.readouterr().out
     assert "seed staircase" in out and "+affinity routing" in out
+
+
+async def test_every_request_of_a_run_is_its_own(make_standin):
+    """No two requests share their per-request part, across cells too (else a later cell
+    would be measured against the prefix cache the earlier one filled)."""
+    up = await make_standin()
+    args = bench.parse_args(["--url", up.url, "--tiers", "40", "--concurrency", "1,2",
+                             "--requests", "5", "--warmup", "2"])
+    assert await bench.run(args, Lengths()) == 0
+    users = [r["json"]["messages"][1]["content"] for r in up.requests]
+    assert len(users) == 14 and len(set(users)) == 14
+    assert len({r["json"]["messages"][0]["content"] for r in up.requests}) == 1   # shared
