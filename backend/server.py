@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
+from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.proxy.errors import HTTPError
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         runner(_serve_forever(argv))
     except KeyboardInterrupt:
         pass
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, WeightError) as e:   # bad model dir, flags or weights
         print(f"prefixgate backend: {e}", file=sys.stderr)
         return 1
     return 0

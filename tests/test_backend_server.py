@@ -219,3 +219,17 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, out.decode()
     assert f"at {url}" in out.decode()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--model", "/nonexistent/model"], "not a model directory"),
+    (["--kv-cache-memory", "12XB"], "not a memory size"),
+    (["--kv-cache-dtype", "int3"], "kv_cache_dtype"),
+])
+def test_cli_reports_bad_settings_without_a_traceback(model_dir, flags, needle, capsys):
+    from prefixgate.backend.server import main
+
+    argv = ["--model", str(model_dir), *flags] if flags[0] != "--model" else flags
+    assert main([*argv, "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
