@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 from typing import Callable
 
@@ -249,12 +250,15 @@ async def run(args, lengths: Lengths) -> int:
     loads = ([("rate", r) for r in args.rate] if args.rate
              else [("concurrency", c) for c in args.concurrency])
     cells = []
+    # per-request text differs from run to run, so a rerun against the same server does not
+    # find its requests already cached; the shared part stays the same (it is meant to be)
+    salt = secrets.token_hex(4)
     async with client_session(args.timeout) as session:
         model, models = await pick_model(session, base, headers, args.model)
         metrics_before = await archive_mod.snapshot(session, base, "/metrics", headers)
         for tier in args.tiers:
             prompts = PromptSet(PromptSpec(tier, args.shared_prefix, args.dynamic_head,
-                                           seed=args.seed), lengths)
+                                           seed=args.seed, salt=salt), lengths)
 
             built = prompts.measured_tokens(prompts.body(0))
             for n, (kind, value) in enumerate(loads):
@@ -273,7 +277,8 @@ async def run(args, lengths: Lengths) -> int:
         metrics_after = await archive_mod.snapshot(session, base, "/metrics", headers)
     archive = {"schema": archive_mod.SCHEMA, "kind": "grid",
                "config": {**{k: v for k, v in vars(args).items() if k != "api_key"},
-                          "model": model, "lengths": "exact" if lengths.exact else "approximate"},
+                          "model": model, "salt": salt,
+                          "lengths": "exact" if lengths.exact else "approximate"},
                "environment": archive_mod.environment(),
                "target": {"url": base, "models": models, "metrics_before": metrics_before,
                           "metrics_after": metrics_after},

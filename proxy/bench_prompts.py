@@ -82,6 +82,7 @@ class PromptSpec:
     dynamic_head: bool = False     # a timestamp at the head of the system prompt
     tools: list = field(default_factory=list)    # tool definitions sent with every request
     seed: int = 0
+    salt: str = ""                 # varies the per-request part only (one per bench run)
 
 
 class PromptSet:
@@ -99,7 +100,7 @@ class PromptSet:
                                    system_tokens)
 
     def body(self, i: int) -> dict:
-        rng = random.Random(f"{self.spec.seed}:{self.spec.tokens}:{i}")
+        rng = random.Random(f"{self.spec.seed}:{self.spec.tokens}:{self.spec.salt}:{i}")
         system = (timestamp_line() if self.spec.dynamic_head else "") + self.system
         messages = [{"role": "user", "content": self.lengths.text(rng, self.unique_tokens)}]
         if system:

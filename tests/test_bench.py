@@ -131,7 +131,7 @@ def test_prompt_tiers_are_exact_with_the_targets_tokenizer(tokenizer, tier):
     prompts = PromptSet(PromptSpec(tier, shared=0.8), Lengths(tokenizer))
     a, b = prompts.body(1), prompts.body(2)
     for body in (a, b):
-        assert abs(prompts.measured_tokens(body) - tier) <= max(2, tier // 50)
+        assert abs(prompts.measured_tokens(body) - tier) <= max(4, tier // 50)
     assert a["messages"][0] == b["messages"][0]              # the shared system prompt
     assert a["messages"][1]["content"][:20] != b["messages"][1]["content"][:20]
     # the per-request user message is the last 20% of the prompt
