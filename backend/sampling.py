@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+_MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -37,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below ~1e-5 dividing by the temperature overflows the logits: that is greedy anyway.
+        return self.temperature < _MIN_TEMPERATURE or self.top_k == 1
 
     def make_generator(self, device="cpu") -> torch.Generator | None:
         """A private generator for a seeded request, so its draws don't depend on its batch."""
@@ -79,7 +83,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev).unsqueeze(1)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev).unsqueeze(1)
     drop = ranks >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)

@@ -75,7 +75,7 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, default_max
         temperature=float(_field(body, "temperature", (int, float), 1.0, lambda v: v >= 0, "a number >= 0")),
         top_p=float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
         top_k=_field(body, "top_k", int, 0, lambda v: v >= -1, "-1, 0 or a positive integer"),
-        seed=_field(body, "seed", int),
+        seed=_field(body, "seed", int, None, lambda v: -2**63 <= v < 2**64, "a 64-bit integer"),
         stop=[stop] if isinstance(stop, str) else list(stop),
         stop_token_ids=_field(body, "stop_token_ids", list, [], lambda v: all(
             isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of integers"),

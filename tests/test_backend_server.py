@@ -127,6 +127,7 @@ async def post(url, data=None, json_body=None):
     ("/v1/completions", {"prompt": []}, "'prompt'"),
     ("/v1/completions", {"prompt": [1, 99999]}, "99999"),
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "'stop'"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "'seed'"),
 ])
 async def test_bad_requests_get_openai_errors(server, path, body, needle):
     raw = body if isinstance(body, bytes) else None

@@ -21,6 +21,14 @@ def test_greedy_rows_take_the_argmax():
     assert out == logits.argmax(-1).tolist()
 
 
+def test_extreme_settings_stay_well_defined():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    tiny_t = [SamplingParams(temperature=1e-300)] * 2              # would overflow: greedy
+    assert sample(logits, tiny_t, [None] * 2) == logits.argmax(-1).tolist()
+    huge_k = [SamplingParams(top_k=2**70)] * 2                    # more than the vocabulary: no cut
+    assert all(0 <= t < 50 for t in sample(logits, huge_k, [None] * 2))
+
+
 def test_top_k_one_is_greedy_even_when_hot():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     out = sample(logits, [SamplingParams(temperature=5.0, top_k=1)] * 3, [None] * 3)
