@@ -129,14 +129,16 @@ def _hf(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.mark.parametrize("name", list(CONVERSATIONS))
+# The tiny ChatML template has no tool_calls syntax, so it skips the tool round trip.
+RENDER_CASES = [(which, name) for which in ("tiny", "qwen_style") for name in CONVERSATIONS
+                if not (which == "tiny" and name == "tool_round_trip")]
+
+
+@pytest.mark.parametrize("which,name", RENDER_CASES)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("with_tools", [False, True])
-@pytest.mark.parametrize("which", ["tiny", "qwen_style"])
 def test_rendering_equals_transformers(request, which, name, add_generation_prompt, with_tools):
     model_dir = request.getfixturevalue(f"{which}_dir")
-    if which == "tiny" and name == "tool_round_trip":
-        pytest.skip("the tiny ChatML template has no tool_calls syntax")
     messages, tools = CONVERSATIONS[name], TOOLS if with_tools else None
     ours = Tokenizer.from_dir(model_dir).apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt)
