@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
 import sys
 from typing import Callable
@@ -171,7 +172,6 @@ def base_url(url: str) -> str:
 
 
 def auth_headers(api_key: str | None) -> dict:
-    import os
     key = api_key or os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
 

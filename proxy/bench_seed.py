@@ -23,7 +23,7 @@ import asyncio
 import os
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from . import bench_archive as archive_mod
 from . import config as config_mod

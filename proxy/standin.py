@@ -4,6 +4,9 @@ Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. It recor
 received, counts TCP connections and aborted streams, and can be slowed down or made to
 misbehave. Per-request behaviour can be overridden with a vendor field in the request body,
 `"x_standin": {"gap": 0.3, ...}` (which also proves that unknown fields pass through).
+With `prefix_cache` set it also models prefill: `prefill_per_token` seconds per prompt token
+(4 characters) that its block-chained prefix cache does not hold (none, when False), and
+vLLM's prefix-cache counters in /metrics; `prefixgate doctor` and the bench tests use it.
 
     python -m prefixgate.proxy.standin --port 8001 --tokens 16 --gap 0.01
 """

@@ -10,10 +10,13 @@ import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.backend.tokenizer import Tokenizer
-from prefixgate.proxy import bench
+from prefixgate.plugins.normalize import SPEC as NORMALIZE_SPEC, Normalizer
+from prefixgate.proxy import bench, bench_seed
 from prefixgate.proxy.bench_archive import SCHEMA, have_matplotlib
-from prefixgate.proxy.bench_prompts import WORDS, Lengths, PromptSet, PromptSpec
+from prefixgate.proxy.bench_prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench_stats import percentile
+from prefixgate.proxy.config import check
+from prefixgate.proxy.standin import Behaviour, StandIn
 
 
 async def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -157,11 +160,6 @@ def test_percentiles_interpolate_like_numpy():
 
 
 # --- the seed scenario's machinery (the full staircase is a CLI run, not a test) -----------
-from prefixgate.plugins.normalize import SPEC as NORMALIZE_SPEC, Normalizer  # noqa: E402
-from prefixgate.proxy import bench_seed  # noqa: E402
-from prefixgate.proxy.bench_prompts import load_tokenizer  # noqa: E402
-from prefixgate.proxy.config import check  # noqa: E402
-from prefixgate.proxy.standin import Behaviour, StandIn  # noqa: E402
 
 
 def test_seed_prompts_share_each_tenants_prefix_once_normalized():
