@@ -13,9 +13,9 @@ stage adding one fix to the one before (engines restarted, so no stage inherits 
 
 The workload, scaled to CPU: fixed-length prompts whose first 80% is one of several
 tenants' system prompts with tool definitions, headed by the current time; the rest is per
-request. Fixed concurrency, fixed output length. Each engine's KV cache holds about half of
-the tenants' prefixes (as a production cache holds a fraction of its tenants' prompts), so
-where a request lands matters.
+request. Fixed concurrency, fixed output length. Each engine's KV cache holds the prefixes
+of about 3/4 of the tenants (as a production cache holds a fraction of its tenants'
+prompts), so where a request lands matters.
 """
 from __future__ import annotations
 
