@@ -8,6 +8,8 @@ import time
 
 import aiohttp
 
+from .config import check_upstreams
+
 
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -26,9 +28,9 @@ class BundledEngines:
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
 
     def upstream_configs(self, timeouts: dict) -> list[dict]:
-        return [{"name": f"engine{i}", "url": url, "max_inflight": 256, "max_connections": 256,
-                 "weight": 1.0, "timeouts": dict(timeouts), "headers": {}}
-                for i, url in enumerate(self.urls)]
+        """The engines as `upstreams:` entries, with every default filled in."""
+        raw = [{"name": f"engine{i}", "url": url} for i, url in enumerate(self.urls)]
+        return check_upstreams(raw, timeouts)
 
     async def start(self) -> None:
         for port in self.ports:
