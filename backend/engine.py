@@ -23,6 +23,7 @@ from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_bl
 from prefixgate.backend.sampling import SamplingParams, find_stop_string
 from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
+from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -267,13 +268,8 @@ class AsyncEngine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._executor.shutdown(wait=True)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -24,6 +24,7 @@ import socket
 from typing import Awaitable, Callable
 
 from .config import UPSTREAM, ConfigError, Key, check, one_of, positive
+from .server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.discovery")
 
@@ -73,12 +74,7 @@ class Discovery:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -21,6 +21,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .config import Key, non_negative, positive
+from .server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.health")
 
@@ -70,12 +71,7 @@ class Health:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if self._session is not None:
             await self._session.close()
 

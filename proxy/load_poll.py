@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .server import cancel_and_wait
+
 log = logging.getLogger("prefixgate.load_poll")
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "prefixgate:num_requests_running")
@@ -80,12 +82,7 @@ class LoadPoller:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     def load(self, up) -> float:
         s = self.samples.get(up.name)

@@ -1,7 +1,20 @@
 """Start an aiohttp app on a host/port and tell where it listens (shared by every server)."""
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Stop a background task and wait until it has finished unwinding."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def url_of(host: str, port: int) -> str:
