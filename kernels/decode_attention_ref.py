@@ -1,9 +1,10 @@
-"""Plain-PyTorch reference for paged decode attention (twin of decode_attention_triton.py).
+"""Plain-PyTorch reference for paged decode attention (twin of decode_attention_triton.py),
+and the gather / attention helpers the prefill reference shares.
 
-One sequence at a time: gather exactly its own pages into contiguous K/V, then one call to
-torch's fused CPU attention (SDPA). Padding every sequence to the longest context and masking
-costs more than the short Python loop, and SDPA streams the scores instead of materialising
-them. fp32 accumulation whatever the cache dtype.
+Sequences of similar length are gathered together into contiguous K/V and go through one call
+to torch's fused attention (SDPA), which streams the scores instead of materialising them;
+very different lengths go in separate calls, so a long context never pads the short ones.
+fp32 accumulation whatever the cache dtype.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from .common import is_fp8, kv_scales
 
 # enable_gqa arrived in torch 2.5; older versions get K/V heads repeated instead.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+# Padding (in KV rows) that costs about as much as one more SDPA call on CPU; see length_groups.
+PAD_ROWS = 256
 
 
 def fp8_scales(cache, scale) -> torch.Tensor | None:
@@ -21,18 +24,28 @@ def fp8_scales(cache, scale) -> torch.Tensor | None:
     return kv_scales(scale, cache.shape[2], cache.device) if is_fp8(cache) else None
 
 
-def gather_kv(cache, table_row, num_tokens: int, scales=None) -> torch.Tensor:
-    """One sequence's first num_tokens cached rows as float32 [num_tokens, num_kv_heads, head_dim].
+def gather_kv(cache, block_tables, num_tokens: int, scales=None) -> torch.Tensor:
+    """The first num_tokens cached rows of each sequence as float32 [S, num_tokens, num_kv_heads, head_dim].
 
-    table_row: that sequence's block table; scales: from fp8_scales (None: no dequantization).
+    block_tables [S, max_blocks]; scales: from fp8_scales (None: no dequantization).
     """
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     n_pages = -(-num_tokens // block_size)
-    rows = cache.index_select(0, table_row[:n_pages].long()).view(-1, num_kv_heads, head_dim)
-    rows = rows[:num_tokens].float()
+    pages = block_tables[:, :n_pages].long()
+    rows = cache[pages].view(pages.shape[0], n_pages * block_size, num_kv_heads, head_dim)[:, :num_tokens].float()
     if scales is not None:
         rows = rows * scales[:, None]
     return rows
+
+
+def sdpa(q, k, v, scale, **kw) -> torch.Tensor:
+    """q [B, H, M, D], k/v [B, Hkv, L, D] -> float32 [B, H, M, D]. Always 4-D: 3-D inputs make
+    CPU SDPA fall back to its unfused (materialising) path."""
+    if _SDPA_GQA:
+        kw["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return F.scaled_dot_product_attention(q.float(), k, v, scale=scale, **kw)
 
 
 def causal_attention(q, k, v, scale) -> torch.Tensor:
@@ -41,25 +54,35 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
 
     Queries with no visible key (M > L, only in malformed batches) come out as zeros, not NaN.
     """
-    m, h, d = q.shape
-    length, hkv = k.shape[0], k.shape[1]
-    out = torch.zeros(m, h, d, dtype=torch.float32, device=q.device)
+    m, length = q.shape[0], k.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     skip = max(0, m - length)
-    if length == 0 or skip == m:
-        return out
-    q4 = q[skip:].float().transpose(0, 1)[None]          # [1, H, M', D]; 4-D selects the fused kernel
-    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    kw = {"enable_gqa": True} if _SDPA_GQA else {}
-    if not _SDPA_GQA and hkv != h:
-        k4, v4 = k4.repeat_interleave(h // hkv, dim=1), v4.repeat_interleave(h // hkv, dim=1)
     rows = m - skip
+    if rows == 0:
+        return out
+    kw = {}
     if rows == length:          # no cached prefix: plain causal, which lets SDPA skip masked tiles
         kw["is_causal"] = True
     elif rows > 1:              # a single query is the last position and sees every key: no mask
         pos = torch.arange(length - rows, length, device=q.device)
         kw["attn_mask"] = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
-    out[skip:] = F.scaled_dot_product_attention(q4, k4, v4, scale=scale, **kw)[0].transpose(0, 1)
+    o = sdpa(q[None, skip:].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale, **kw)
+    out[skip:] = o[0].transpose(0, 1)
     return out
+
+
+def length_groups(lens: list[int], pad_rows: int = PAD_ROWS) -> list[list[int]]:
+    """Indices of the non-empty sequences, longest first, cut into groups whose members are at
+    most pad_rows shorter than the group's longest: one padded call per group beats one call
+    per sequence while the padding costs less than a call's fixed overhead."""
+    order = sorted((s for s, n in enumerate(lens) if n > 0), key=lambda s: -lens[s])
+    groups: list[list[int]] = []
+    for s in order:
+        if groups and lens[groups[-1][0]] - lens[s] <= pad_rows:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
 def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -68,10 +91,22 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
     Sequences with nothing cached (seq_lens 0) give zeros."""
     out = torch.zeros_like(q)
     ks, vs = fp8_scales(k_cache, k_scale), fp8_scales(v_cache, v_scale)
-    for s, n in enumerate(seq_lens.tolist()):
-        if n <= 0:
-            continue
-        k = gather_kv(k_cache, block_tables[s], n, ks)
-        v = gather_kv(v_cache, block_tables[s], n, vs)
-        out[s] = causal_attention(q[s:s + 1], k, v, scale)[0].to(q.dtype)
+    lens = seq_lens.tolist()
+    for group in length_groups(lens):
+        longest = lens[group[0]]
+        every = len(group) == len(lens)      # the usual decode batch: no row shuffling needed
+        group.sort()
+        idx = torch.tensor(group, device=q.device)
+        tables = block_tables if every else block_tables.index_select(0, idx.to(block_tables.device))
+        k = gather_kv(k_cache, tables, longest, ks).transpose(1, 2)     # [G, Hkv, L, D]
+        v = gather_kv(v_cache, tables, longest, vs).transpose(1, 2)
+        kw = {}
+        n = [lens[s] for s in group]
+        if min(n) != longest:                # ragged group: hide each sequence's padding
+            n = torch.tensor(n, device=q.device)
+            kw["attn_mask"] = (torch.arange(longest, device=q.device)[None, :] < n[:, None])[:, None, None]
+        o = sdpa((q if every else q[idx])[:, :, None], k, v, scale, **kw)[:, :, 0].to(q.dtype)
+        if every:
+            return o
+        out[idx] = o
     return out
