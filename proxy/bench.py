@@ -297,12 +297,7 @@ def report(archive: dict, args) -> int:
         if c["summary"].get("first_error"):
             print(f"{c['label']}: {c['summary']['errors']} errors, first: "
                   f"{c['summary']['first_error']}", file=sys.stderr)
-    if args.out:
-        archive_mod.write(args.out, archive)
-        print(f"archive written to {args.out}")
-    if args.plot:
-        archive_mod.plot_cdfs(archive, args.plot)
-        print(f"plot written to {args.plot}")
+    archive_mod.save_outputs(archive, args.out, args.plot)
     failed = any(c["summary"]["requests"] and c["summary"]["errors"] == c["summary"]["requests"]
                  for c in archive["cells"])
     return 1 if failed else 0

@@ -76,6 +76,16 @@ def write(path: str, archive: dict) -> None:
         f.write("\n")
 
 
+def save_outputs(archive: dict, out: str | None, plot: str | None) -> None:
+    """Write `--out` (the JSON archive) and `--plot` (TTFT CDFs) when they were asked for."""
+    if out:
+        write(out, archive)
+        print(f"archive written to {out}")
+    if plot:
+        plot_cdfs(archive, plot)
+        print(f"plot written to {plot}")
+
+
 def load(path: str) -> dict:
     with open(path) as f:
         archive = json.load(f)

@@ -164,12 +164,7 @@ def run_seed(args) -> int:
         print(f"prefixgate bench: {e}", file=sys.stderr)
         return 1
     print_staircase(archive)
-    if args.out:
-        archive_mod.write(args.out, archive)
-        print(f"archive written to {args.out}")
-    if args.plot:
-        archive_mod.plot_cdfs(archive, args.plot)
-        print(f"plot written to {args.plot}")
+    archive_mod.save_outputs(archive, args.out, args.plot)
     return 0
 
 
