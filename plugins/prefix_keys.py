@@ -36,15 +36,8 @@ def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
         return []
     head = tokens[:n * block_tokens]
     # a numpy int64 array (the fleet simulator's) already has the bytes array("q") would make
-    data = memoryview(head.tobytes() if getattr(head, "dtype", None) == "int64"
-                      else array("q", head).tobytes())
-    step = 8 * block_tokens
-    out = []
-    h = parent
-    for i in range(0, n * step, step):
-        h = _h64(h.to_bytes(8, "little") + data[i:i + step])
-        out.append(h)
-    return out
+    data = head.tobytes() if getattr(head, "dtype", None) == "int64" else array("q", head).tobytes()
+    return _chain(data, 8 * block_tokens, n, parent)
 
 
 def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:
@@ -52,11 +45,16 @@ def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None
     n = len(data) // block_bytes
     if max_blocks is not None:
         n = min(n, max_blocks)
+    return _chain(data, block_bytes, n, TEXT_ROOT)
+
+
+def _chain(data: bytes, step: int, n: int, parent: int) -> list[int]:
+    """h[i] = xxh64(h[i-1] as 8 little-endian bytes + block i), for the first n blocks."""
     view = memoryview(data)
     out = []
-    h = TEXT_ROOT
-    for i in range(0, n * block_bytes, block_bytes):
-        h = _h64(h.to_bytes(8, "little") + view[i:i + block_bytes])
+    h = parent
+    for i in range(0, n * step, step):
+        h = _h64(h.to_bytes(8, "little") + view[i:i + step])
         out.append(h)
     return out
 

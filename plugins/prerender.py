@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prefixgate.proxy.config import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.plugin import Plugin
 
-from .prefix_keys import ROOT_HASH, prompt_token_ids
+from .prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)
@@ -47,21 +46,6 @@ def flatten(message):
                                          isinstance(p.get("text"), str) for p in content):
         return {**message, "content": "".join(p["text"] for p in content)}
     return message
-
-
-def continue_chain(parent: int, tokens, block_tokens: int) -> list[int]:
-    """Block hashes for the full blocks of `tokens`, chained after `parent` — the same
-    formula as `prefix_keys.block_hash_chain` (and the engine's block manager)."""
-    n = len(tokens) // block_tokens
-    if n <= 0:
-        return []
-    data = memoryview(array("q", tokens[:n * block_tokens]).tobytes())
-    step = 8 * block_tokens
-    out, h = [], parent
-    for i in range(0, n * step, step):
-        h = xxhash.xxh64_intdigest(h.to_bytes(8, "little") + data[i:i + step])
-        out.append(h)
-    return out
 
 
 def special_strings(tok) -> list[str]:
@@ -169,15 +153,15 @@ class PromptCache:
 
     def _whole(self, full: str, how: str) -> Rendered:
         ids = self.encode(full)
-        return Rendered(full, ids, continue_chain(ROOT_HASH, ids, self.block_tokens), how)
+        return Rendered(full, ids, block_hash_chain(ids, self.block_tokens), how)
 
     def _split(self, full: str, entry: Prefix) -> Rendered:
         tail = self.encode(full[len(entry.text):])
         ids = entry.ids + tail
         done = len(entry.hashes) * self.block_tokens
         parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
-        return Rendered(full, ids, entry.hashes + continue_chain(parent, ids[done:],
-                                                                 self.block_tokens), "hit",
+        return Rendered(full, ids, entry.hashes + block_hash_chain(
+            ids[done:], self.block_tokens, parent=parent), "hit",
                         len(entry.ids))
 
     def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs) -> Rendered:
@@ -252,7 +236,7 @@ class Prerender(Plugin):
             ids = await self._maybe_thread(len(prompt), self.cache.encode, prompt)
         if ids is not None:
             ctx.tokens = ids
-            ctx.block_hashes = continue_chain(ROOT_HASH, ids, self.cache.block_tokens)
+            ctx.block_hashes = block_hash_chain(ids, self.cache.block_tokens)
 
     async def _render_chat(self, ctx, body, messages) -> Rendered | None:
         """The rendered request, or None when our rendering of it fails: the backend is the

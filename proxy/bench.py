@@ -27,24 +27,21 @@ from .bench_prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from .bench_stats import cell_table, compare_table, summarize
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def positive_list(cast, noun: str):
+    """An argparse type: comma-separated positive values, e.g. `--tiers 512,2400,8000`."""
+    def parse(text: str) -> list:
+        try:
+            values = [cast(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}")
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive {noun}, got {text!r}")
+        return values
+    return parse
 
 
-def float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+int_list = positive_list(int, "integers")
+float_list = positive_list(float, "numbers")
 
 
 def fraction(text: str) -> float:

@@ -10,7 +10,7 @@ from model_factory import tiny_tokenizer
 from prefixgate.backend.demo import write_tokenizer_files
 from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.prefix_keys import block_hash_chain
-from prefixgate.plugins.prerender import PromptCache, continue_chain
+from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import ConfigError, validate
 from test_tokenizer import QWEN_STYLE_TEMPLATE
@@ -111,11 +111,15 @@ def test_changed_prefix_is_a_miss_and_cache_is_bounded(chatml_dir):
     assert r.cache == "none" and r.tokens == _whole(tok, no_system)
 
 
-def test_continue_chain_equals_the_routing_chain():
+def test_block_hashes_on_a_hit_equal_the_routing_chain_of_the_whole_prompt(chatml_dir):
     toks = list(range(1000, 1100))
     whole = block_hash_chain(toks, 16)
-    assert continue_chain(0, toks, 16) == whole
-    assert whole[:2] + continue_chain(whole[1], toks[32:], 16) == whole
+    assert whole[:2] + block_hash_chain(toks[32:], 16, parent=whole[1]) == whole
+    cache = PromptCache(Tokenizer.from_dir(chatml_dir), block_tokens=16)
+    messages = CONVERSATIONS["multi_turn"]
+    miss, hit = cache.render(messages), cache.render(messages)
+    assert (miss.cache, hit.cache) == ("miss", "hit") and hit.cached > 16
+    assert hit.block_hashes == miss.block_hashes == block_hash_chain(hit.tokens, 16)
 
 
 # --- through the gateway --------------------------------------------------------------------
