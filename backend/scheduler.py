@@ -1,18 +1,20 @@
 """Continuous batching: which tokens of which sequences the next model step computes.
 
-Each step is built in three passes under a token budget (`max_num_batched_tokens`):
+Each step is built under a token budget (`max_num_batched_tokens`):
 1. decodes: every running sequence with one token to compute. When blocks run out, the
    newest running sequence is preempted: its blocks are freed and it goes back to the front
    of the queue to be recomputed later (the prefix cache usually makes that cheap).
-2. prefills, in arrival order (partly prefilled running sequences, then the queue): with
-   chunked prefill each gets at most `long_prefill_token_threshold` tokens in this pass, so
-   one long prompt cannot hold up the short prompts queued behind it; without it, prompts
-   are taken whole (one that exceeds the budget runs as the only prefill of its step).
-3. leftover budget tops up the chunks from pass 2, so a lone long prompt still gets the
-   whole budget.
+2. prefills. With chunked prefill the oldest prefill first gets up to
+   `long_prefill_token_threshold` tokens (so a stream of short prompts cannot starve a long
+   one); the rest of the budget then goes shortest-remaining-first, counting only the tokens
+   the prefix cache does not hold: short prompts and cache hits are not held up behind a
+   long cold prompt, and prompts of equal length finish one after another instead of all
+   sharing every step and all finishing late. Without chunked prefill, prompts are taken
+   whole in arrival order (one that exceeds the budget runs as the only prefill of its step).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -76,9 +78,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: dict[Sequence, int] = {}
         budget = self._schedule_decodes(chunks, budget)
-        budget = self._schedule_prefills(chunks, budget)
         if self.config.enable_chunked_prefill:
-            self._top_up(chunks, budget)
+            self._schedule_chunks(chunks, budget)
+        else:
+            self._schedule_whole_prompts(chunks, budget)
         if not chunks:
             return None
         now = time.monotonic()
@@ -103,47 +106,78 @@ class Scheduler:
                 budget -= 1
         return budget
 
-    def _schedule_prefills(self, chunks: dict[Sequence, int], budget: int) -> int:
-        cfg = self.config
-        cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else None
+    def _schedule_chunks(self, chunks: dict[Sequence, int], budget: int) -> None:
+        """Chunked prefill: share out the budget (see the module doc), then take blocks in
+        arrival order; the first sequence that cannot get its blocks ends the pass."""
+        seats = max(self.config.max_num_seqs - len(self.running), 0)
+        candidates = [s for s in self.running if s not in chunks]
+        candidates += list(itertools.islice(self.waiting, seats))
+        if not candidates or budget <= 0:
+            return
+        left = {s: self._uncached_tokens(s) for s in candidates}
+        grant = dict.fromkeys(candidates, 0)
+        oldest = candidates[0]
+        grant[oldest] = min(left[oldest], self.config.long_prefill_token_threshold, budget)
+        budget -= grant[oldest]
+        for seq in sorted(candidates, key=lambda s: left[s] - grant[s]):   # stable: ties FCFS
+            if budget <= 0:
+                break
+            extra = min(left[seq] - grant[seq], budget)
+            grant[seq] += extra
+            budget -= extra
+        for seq in candidates:
+            n = grant[seq]
+            if n and not self._take_blocks(seq, n):
+                return
+            if n:
+                chunks[seq] = n
+
+    def _uncached_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` still has to compute (for a waiting one: beyond its cached prefix)."""
+        if seq.status is SequenceStatus.RUNNING:
+            return seq.num_uncomputed_tokens
+        return len(seq) - len(self.bm.match_prefix(seq)) * self.bm.block_size
+
+    def _take_blocks(self, seq: Sequence, n: int) -> bool:
+        """Blocks for the next `n` tokens of `seq`; a waiting sequence is admitted with its
+        cached prefix (matched again here: blocks taken a moment ago may have evicted some)."""
+        if seq.status is SequenceStatus.RUNNING:
+            return self.bm.allocate(seq, seq.num_computed_tokens + n)
+        cached = self.bm.match_prefix(seq)
+        if not self.bm.allocate(seq, len(cached) * self.bm.block_size + n, cached):
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _schedule_whole_prompts(self, chunks: dict[Sequence, int], budget: int) -> None:
+        """No chunked prefill: partly computed prompts (after a preemption) and queued ones
+        are taken whole, in arrival order."""
         for seq in self.running:
             if budget <= 0:
-                return budget
+                return
             if seq in chunks:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget, cap or budget)
+            n = min(seq.num_uncomputed_tokens, budget)
             if not self.bm.allocate(seq, seq.num_computed_tokens + n):
-                return budget
+                return
             chunks[seq] = n
             budget -= n
         num_prefills = len(chunks)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.match_prefix(seq)
             remaining = len(seq) - len(cached) * self.bm.block_size
-            if cap is not None:
-                n = min(remaining, budget, cap)
-            elif remaining > budget and len(chunks) > num_prefills:
+            if remaining > budget and len(chunks) > num_prefills:
                 break       # whole prompts only; an oversize one waits to be the step's only prefill
-            else:
-                n = remaining
-            if not self.bm.allocate(seq, len(cached) * self.bm.block_size + n, cached):
+            if not self.bm.allocate(seq, len(cached) * self.bm.block_size + remaining, cached):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks[seq] = n
-            budget -= n
-        return budget
-
-    def _top_up(self, chunks: dict[Sequence, int], budget: int) -> None:
-        for seq, n in chunks.items():
-            if budget <= 0:
-                return
-            extra = min(seq.num_uncomputed_tokens - n, budget)
-            if extra > 0 and self.bm.allocate(seq, seq.num_computed_tokens + n + extra):
-                chunks[seq] = n + extra
-                budget -= extra
+            chunks[seq] = remaining
+            budget -= remaining
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance computed counts, append the sampled tokens, stop

@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="tokens one prefill may take before others had their turn (default: budget/4)")
+                   help="tokens guaranteed each step to the oldest prefill, so short "
+                   "prompts cannot starve it (default: budget/4)")
     p.add_argument("--no-chunked-prefill", action="store_true", help="take prompts whole (baseline)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])

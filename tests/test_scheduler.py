@@ -159,3 +159,52 @@ def test_prefix_cache_hit_skips_computed_blocks():
     batch = step(s)
     assert batch.num_new_tokens == [2] and again.num_cached_tokens == 16
     assert s.bm.prefix_hits == 16
+
+
+def first_token_steps(s: Scheduler, seqs: list[Sequence]) -> list[int]:
+    """The step (1-based) in which each sequence got its first token."""
+    at = {}
+    n = 0
+    while len(at) < len(seqs):
+        step(s)
+        n += 1
+        at.update({q: n for q in seqs if q.num_output_tokens and q not in at})
+    return [at[q] for q in seqs]
+
+
+def test_equal_prompts_finish_one_after_another_not_all_late():
+    s = make(num_blocks=256, max_num_batched_tokens=32)  # 8 tokens guaranteed to the oldest
+    qs = [seq(40, start=100 * i, max_tokens=1) for i in range(4)]
+    for q in qs:
+        s.add(q)
+    # sharing every step out evenly (8 tokens each) would finish all four in step 5
+    assert first_token_steps(s, qs) == [2, 3, 4, 5]
+
+
+def test_a_cache_hit_is_not_held_up_behind_a_cold_prompt():
+    s = make(num_blocks=256, max_num_batched_tokens=32)
+    warm = seq(80, max_tokens=1)
+    s.add(warm)
+    run(s)
+    cold = seq(200, start=1000, max_tokens=1)
+    hit = Sequence(list(range(64)) + list(range(500, 516)), SamplingParams(max_tokens=1))
+    s.add(cold)
+    s.add(hit)                  # 64 of its 80 tokens are cached: 16 left, the cold one 200
+    batch = step(s)
+    assert hit.num_output_tokens == 1 and hit.num_cached_tokens == 64
+    assert dict(zip(batch.seqs, batch.num_new_tokens)) == {cold: 16, hit: 16}
+    assert first_token_steps(s, [cold])[0] > 1
+
+
+def test_the_oldest_prefill_keeps_moving_under_a_stream_of_short_prompts():
+    s = make(num_blocks=512, max_num_batched_tokens=32)
+    long = seq(100, max_tokens=1)
+    s.add(long)
+    for i in range(40):         # more short work than the budget every step
+        s.add(seq(12, start=1000 + 20 * i, max_tokens=1))
+        s.add(seq(12, start=2000 + 20 * i, max_tokens=1))
+        s.add(seq(12, start=3000 + 20 * i, max_tokens=1))
+        step(s)
+        if long.num_output_tokens:
+            break
+    assert long.num_output_tokens == 1 and i < 14       # 8 tokens a step at least: 13 steps
