@@ -92,22 +92,24 @@ class StandIn:
             await asyncio.sleep(3600)
         if b.fail == "garbage":
             return web.Response(body=b"\x00not json at all", content_type="text/plain")
+        cached = None
         if b.prefix_cache is not None:
-            uncached = self.cache.lookup(_prompt_text(body), use=b.prefix_cache)
+            uncached, cached = self.cache.lookup(_prompt_text(body), use=b.prefix_cache)
             b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
+        usage = _usage(body, b.tokens, cached)
         self.running += 1
         try:
             if body.get("stream"):
-                return await self._stream(request, body, b)
+                return await self._stream(request, body, b, usage)
             await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
-            return web.json_response(self._whole(request.path, body, b))
+            return web.json_response(self._whole(request.path, body, b, usage))
         except asyncio.CancelledError:
             self.aborted += 1
             raise
         finally:
             self.running -= 1
 
-    async def _stream(self, request, body, b: Behaviour) -> web.StreamResponse:
+    async def _stream(self, request, body, b: Behaviour, usage: dict) -> web.StreamResponse:
         if b.fail == "reset_after" and b.fail_after == 0:
             request.transport.close()          # reset before any byte of the response
             return web.Response()
@@ -126,8 +128,6 @@ class StandIn:
                 await asyncio.sleep(b.gap)
             await resp.write(b"data: " + json.dumps(_chunk(rid, chat, i, b.model)).encode()
                              + b"\n\n")
-        usage = {"prompt_tokens": _prompt_len(body), "completion_tokens": b.tokens,
-                 "total_tokens": _prompt_len(body) + b.tokens}
         final = _chunk(rid, chat, None, b.model)
         final["usage"] = usage
         await resp.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
@@ -135,10 +135,8 @@ class StandIn:
         self.completed += 1
         return resp
 
-    def _whole(self, path, body, b: Behaviour) -> dict:
+    def _whole(self, path, body, b: Behaviour, usage: dict) -> dict:
         text = "".join(f"tok{i} " for i in range(b.tokens))
-        usage = {"prompt_tokens": _prompt_len(body), "completion_tokens": b.tokens,
-                 "total_tokens": _prompt_len(body) + b.tokens}
         self.completed += 1
         if path.endswith("chat/completions"):
             return {"id": "chatcmpl-standin", "object": "chat.completion", "model": b.model,
@@ -176,8 +174,9 @@ class PrefixCacheModel:
     hits: int = 0                # ... and found
     _seen: set = field(default_factory=set)
 
-    def lookup(self, text: str, use: bool) -> int:
-        """Count the lookup, remember the blocks; return the prompt tokens left to compute."""
+    def lookup(self, text: str, use: bool) -> tuple[int, int]:
+        """Count the lookup, remember the blocks; return the prompt tokens left to compute
+        and those found cached."""
         tokens = max(1, len(text) // 4)
         self.queries += tokens
         hit_chars, parent, hitting = 0, 0, use
@@ -191,7 +190,17 @@ class PrefixCacheModel:
                 self._seen.add(parent)
         hit = min(hit_chars // 4, tokens - 1)    # the last token is always computed
         self.hits += hit
-        return tokens - hit
+        return tokens - hit, hit
+
+
+def _usage(body: dict, completion_tokens: int, cached: int | None) -> dict:
+    """The usage block; with a modelled prefix cache also its hits, as vLLM reports them."""
+    prompt = _prompt_len(body)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+             "total_tokens": prompt + completion_tokens}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
@@ -215,12 +224,8 @@ def _prompt_text(body: dict) -> str:
 
 
 def _prompt_len(body: dict) -> int:
-    """A rough prompt length in 'tokens' (4 characters each), for the usage field."""
-    if "messages" in body:
-        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
-    else:
-        text = str(body.get("prompt", ""))
-    return max(1, len(text) // 4)
+    """A rough prompt length in 'tokens' (4 characters each), as the prefix-cache model counts."""
+    return max(1, len(_prompt_text(body)) // 4)
 
 
 def main(argv=None) -> int:
