@@ -64,11 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
                    "512,2400,8000; seed: the prompt length, 1024)")
     p.add_argument("--concurrency", type=int_list, help="closed-loop concurrency levels "
-                   "(default 1,8,32; seed: one level, 4)")
+                   "(default 1,8,32; seed: one level, 12 users)")
+    p.add_argument("--think-ms", type=float, help="closed loop: each user pauses between "
+                   "a response and its next request, exponentially, this long on average "
+                   "(default 0: back to back; seed: 1500)")
     p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "
                    "requests/s (replaces --concurrency)")
     p.add_argument("--requests", type=int, help="measured requests per cell (default 200; "
-                   "seed: per stage and round, 40)")
+                   "seed: per stage and round, 60)")
     p.add_argument("--warmup", type=int, help="uncounted requests before each cell (default "
                    "10; seed: 32)")
     p.add_argument("--max-tokens", type=int, help="output tokens per request (default 1; "
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="seed: one round of 24 measured requests per stage")
+    p.add_argument("--quick", action="store_true", help="seed: one round of 30 measured requests per stage")
     p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
                    "pooled, to even out a shared machine (default 2)")
     p.add_argument("--policy", choices=["chwbl", "cache_aware"], help="seed: prefix_route "
@@ -138,8 +141,10 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None):
     if (args.requests is not None and args.requests <= 0) or (
             args.warmup is not None and args.warmup < 0) or (
             args.max_tokens is not None and args.max_tokens <= 0) or (
-            args.rounds is not None and args.rounds <= 0):
-        parser.error("--requests, --max-tokens and --rounds must be > 0, --warmup >= 0")
+            args.rounds is not None and args.rounds <= 0) or (
+            args.think_ms is not None and args.think_ms < 0):
+        parser.error("--requests, --max-tokens and --rounds must be > 0, --warmup and "
+                     "--think-ms >= 0")
     return args
 
 
@@ -216,7 +221,8 @@ def render_prompt(messages_body: dict, lengths: Lengths | None) -> str:
 
 async def measure(session, url: str, headers: dict, make_body: Callable[[int], dict], *,
                   requests: int, warmup: int, concurrency: int | None = None,
-                  rate: float | None = None, seed: int = 0, label: str = "") -> list[Sample]:
+                  rate: float | None = None, think_s: float = 0.0, seed: int = 0,
+                  label: str = "") -> list[Sample]:
     """Warm-up, then the measured requests of one cell; returns every sample."""
     async def send(s: Sample) -> Sample:
         return await stream_once(session, url, make_body(s.index), headers, s)
@@ -226,12 +232,14 @@ async def measure(session, url: str, headers: dict, make_body: Callable[[int], d
 
     def done(s: Sample) -> None:
         progress.step(s.ok)
+    if rate is None:
+        # one loop: the measured requests follow the warm-up ones without a pause, so they
+        # meet the steady state the warm-up built (not a fresh start's burst or lull)
+        await closed_loop(send, warm + measured, concurrency or 1, done, think_s, seed)
+        return warm + measured
     if warm:
         await closed_loop(send, warm, concurrency or 1, done)
-    if rate is not None:
-        await open_loop(send, measured, rate, seed, done)
-    else:
-        await closed_loop(send, measured, concurrency or 1, done)
+    await open_loop(send, measured, rate, seed, done)
     return warm + measured
 
 
@@ -267,8 +275,10 @@ async def run(args, lengths: Lengths) -> int:
                          else f"tier={tier} rate={value:g}/s")
                 samples = await measure(session, base + path, headers, make_body,
                                         requests=args.requests, warmup=args.warmup,
+                                        think_s=(args.think_ms or 0.0) / 1000.0,
                                         seed=args.seed, label=label, **{kind: value})
                 cells.append(cell_record(label, {"tier": tier, kind: value,
+                                                 "think_ms": args.think_ms or 0.0,
                                                  "prompt_tokens_built": built},
                                          samples, args.slo_ttft_ms / 1000.0))
         metrics_after = await archive_mod.snapshot(session, base, "/metrics", headers)

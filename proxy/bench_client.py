@@ -134,15 +134,23 @@ Send = Callable[[Sample], Awaitable[Sample]]
 
 
 async def closed_loop(send: Send, samples: list[Sample], concurrency: int,
-                      on_done: Callable[[Sample], None]) -> None:
-    """`concurrency` workers, each sending its next request as soon as the last one ended."""
+                      on_done: Callable[[Sample], None], think_s: float = 0.0,
+                      seed: int = 0) -> None:
+    """`concurrency` users, each sending its next request when its last one ended, after a
+    pause (exponential, mean `think_s`; 0: back to back). With pauses the users start at
+    random moments within one mean pause, as users of a live service do."""
     queue = iter(samples)
 
-    async def worker():
+    async def user(rng: random.Random):
+        pause = rng.uniform(0.0, think_s) if think_s > 0 else 0.0
         for s in queue:          # a shared iterator: each sample is taken once
+            if pause:
+                await asyncio.sleep(pause)
             await send(s)
             on_done(s)
-    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+            pause = rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0
+    await asyncio.gather(*(user(random.Random(f"{seed}:user:{u}"))
+                           for u in range(max(1, concurrency))))
 
 
 async def open_loop(send: Send, samples: list[Sample], rate: float, seed: int,

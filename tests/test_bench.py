@@ -90,6 +90,22 @@ async def test_open_loop_arrivals_do_not_wait_for_responses(make_standin):
     assert starts[-1] - starts[0] < 1.6
 
 
+async def test_users_pause_between_their_requests(make_standin):
+    """--think-ms: each closed-loop user waits between a response and its next request."""
+    up = await make_standin(first_delay=0.01, tokens=1, record=False)
+    common = ["--url", up.url, "--tiers", "16", "--concurrency", "2", "--requests", "8",
+              "--warmup", "0"]
+    elapsed = {}
+    for think in ("0", "200"):
+        t0 = time.monotonic()
+        assert await bench.run(bench.parse_args(common + ["--think-ms", think]), Lengths()) == 0
+        elapsed[think] = time.monotonic() - t0
+    # 2 users x 4 requests: back to back ~4 x 10 ms each; with pauses about 4 x 200 ms
+    assert elapsed["200"] > elapsed["0"] + 0.3, elapsed
+    with pytest.raises(SystemExit):
+        bench.parse_args(common + ["--think-ms", "-1"])
+
+
 async def test_errors_are_counted_and_reported(make_standin, capsys):
     up = await make_standin(fail="status", status=503)
     args = bench.parse_args([
@@ -214,7 +230,7 @@ class StandInEngines:
 
 async def test_seed_stages_run_behind_the_gateway(capsys):
     w = bench_seed.Workload(prompt_tokens=400, tenants=4, requests=6, warmup=6, concurrency=2,
-                            max_tokens=2, rounds=2)
+                            think_ms=50, max_tokens=2, rounds=2)
     stages = [s for s in bench_seed.STAGES if s.name in ("baseline", "+prefix cache",
                                                           "+affinity routing")]
     args = bench.parse_args(["--scenario", "seed"])
@@ -238,7 +254,11 @@ async def test_seed_stages_run_behind_the_gateway(capsys):
     # ~400 uncached tokens x 0.4 ms in the baseline; ~20% of that once the prefix is cached
     assert cached["summary"]["ttft_p50_ms"] < 0.6 * base["summary"]["ttft_p50_ms"]
     out = capsys.readouterr().out
-    assert "seed staircase" in out and "+affinity routing" in out
+    assert "seed staircase" in out and "2 users pausing 0.05 s on average" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("baseline", "+prefix", "+affinity"))}
+    assert rows["baseline"][-3] == "12"             # no prefix cache: every request misses
+    assert int(rows["+prefix"][-3]) < 12 and rows["+affinity"][-1] == "0"
 
 
 async def test_every_request_of_a_run_is_its_own(make_standin):
