@@ -44,6 +44,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None   # None: 512 on CPU, 2048 on CUDA
     long_prefill_token_threshold: int = 0
+    step_overhead_tokens: int | None = None      # None: 32 on CPU, 0 (fill steps) on CUDA
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -115,10 +116,15 @@ class LLMEngine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
-        budget = a.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        cuda = self.device.type == "cuda"
+        budget = a.max_num_batched_tokens or (2048 if cuda else 512)
+        overhead = a.step_overhead_tokens
+        if overhead is None:    # a CPU step's fixed cost (weights streamed once, Python) is
+            overhead = 0 if cuda else 32    # ~30 tokens of compute, whatever the model's size
         return SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=a.max_num_seqs,
                                max_num_batched_tokens=budget, enable_chunked_prefill=a.enable_chunked_prefill,
-                               long_prefill_token_threshold=a.long_prefill_token_threshold)
+                               long_prefill_token_threshold=a.long_prefill_token_threshold,
+                               step_overhead_tokens=overhead)
 
     def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         a = self.args

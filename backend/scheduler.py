@@ -11,6 +11,14 @@ Each step is built under a token budget (`max_num_batched_tokens`):
    long cold prompt, and prompts of equal length finish one after another instead of all
    sharing every step and all finishing late. Without chunked prefill, prompts are taken
    whole in arrival order (one that exceeds the budget runs as the only prefill of its step).
+
+Where every token costs the same compute (a CPU: no idle units to fill), packing more
+prefill into a step that already finishes one prompt only delays that prompt's first token.
+With `step_overhead_tokens` set (a step's fixed cost in tokens of compute: ~30 for the demo
+model on one core), a prompt that would finish in this step is added only while the step
+overhead it saves the prompts still waiting outweighs the delay it adds to those already
+finishing here; partial chunks are not added after a finishing prompt. 0 (GPUs, where a
+fuller step costs little more) always fills the budget.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0      # 0: a quarter of max_num_batched_tokens
+    step_overhead_tokens: int = 0              # 0: fill every step; see the module doc
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -119,18 +128,33 @@ class Scheduler:
         oldest = candidates[0]
         grant[oldest] = min(left[oldest], self.config.long_prefill_token_threshold, budget)
         budget -= grant[oldest]
-        for seq in sorted(candidates, key=lambda s: left[s] - grant[s]):   # stable: ties FCFS
+        finishing = int(grant[oldest] == left[oldest])
+        order = sorted(candidates, key=lambda s: left[s] - grant[s])   # stable: ties FCFS
+        for i, seq in enumerate(order):
+            need = left[seq] - grant[seq]
             if budget <= 0:
                 break
-            extra = min(left[seq] - grant[seq], budget)
+            if need == 0:
+                continue
+            extra = min(need, budget)
+            if finishing and not self._worth_adding(extra, need, finishing, len(order) - i):
+                break
             grant[seq] += extra
             budget -= extra
+            finishing += extra == need
         for seq in candidates:
             n = grant[seq]
             if n and not self._take_blocks(seq, n):
                 return
             if n:
                 chunks[seq] = n
+
+    def _worth_adding(self, extra: int, need: int, finishing: int, waiting: int) -> bool:
+        """Whether `extra` more prefill tokens belong in a step where `finishing` prompts get
+        their first token: yes if they finish a prompt and the step overhead saved for the
+        `waiting` prompts (this one included) outweighs the delay to those finishing."""
+        k = self.config.step_overhead_tokens
+        return k <= 0 or (extra == need and extra * finishing <= k * waiting)
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         """Tokens `seq` still has to compute (for a waiting one: beyond its cached prefix)."""
@@ -171,6 +195,9 @@ class Scheduler:
             remaining = len(seq) - len(cached) * self.bm.block_size
             if remaining > budget and len(chunks) > num_prefills:
                 break       # whole prompts only; an oversize one waits to be the step's only prefill
+            taken = len(chunks) - num_prefills
+            if taken and not self._worth_adding(remaining, remaining, taken, len(self.waiting)):
+                break
             if not self.bm.allocate(seq, len(cached) * self.bm.block_size + remaining, cached):
                 break
             self.waiting.popleft()

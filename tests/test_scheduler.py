@@ -208,3 +208,31 @@ def test_the_oldest_prefill_keeps_moving_under_a_stream_of_short_prompts():
         if long.num_output_tokens:
             break
     assert long.num_output_tokens == 1 and i < 14       # 8 tokens a step at least: 13 steps
+
+
+def test_where_tokens_cost_alike_a_step_ends_with_the_prompt_it_finishes():
+    for chunked in (True, False):
+        filled = make(num_blocks=256, max_num_batched_tokens=64, enable_chunked_prefill=chunked)
+        costed = make(num_blocks=256, max_num_batched_tokens=64, enable_chunked_prefill=chunked,
+                      step_overhead_tokens=8)
+        for s in (filled, costed):
+            for i in range(2):
+                s.add(seq(30, start=100 * i, max_tokens=2))
+        a, b = list(filled.waiting)
+        assert first_token_steps(filled, [a, b]) == [1, 1]      # both wait for a 60-token step
+        a, b = list(costed.waiting)
+        assert first_token_steps(costed, [a, b]) == [1, 2]      # a's first token after 30
+        run(costed)
+        assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+
+
+def test_short_prompts_still_share_a_step_when_steps_have_a_cost():
+    s = make(num_blocks=256, max_num_batched_tokens=64, step_overhead_tokens=8)
+    qs = [seq(5, start=100 * i, max_tokens=1) for i in range(10)]
+    for q in qs:
+        s.add(q)
+    batch = step(s)
+    # each 5-token prompt saves the ones still queued a step's overhead (8 tokens' worth)
+    assert 5 <= len(batch.seqs) < 10
+    run(s)
+    assert all(q.output_token_ids == expected_output(q) for q in qs)
