@@ -15,10 +15,11 @@ Each step is built under a token budget (`max_num_batched_tokens`):
 Where every token costs the same compute (a CPU: no idle units to fill), packing more
 prefill into a step that already finishes one prompt only delays that prompt's first token.
 With `step_overhead_tokens` set (a step's fixed cost in tokens of compute: ~30 for the demo
-model on one core), a prompt that would finish in this step is added only while the step
-overhead it saves the prompts still waiting outweighs the delay it adds to those already
-finishing here; partial chunks are not added after a finishing prompt. 0 (GPUs, where a
-fuller step costs little more) always fills the budget.
+model on one core), a prompt that would finish in this step is added only while what it
+saves the prompts still waiting (one more step's fixed content each: that overhead, the
+decodes and the oldest prefill's guaranteed chunk) outweighs the delay it adds to those
+already finishing here; partial chunks are not added after a finishing prompt. 0 (GPUs,
+where a fuller step costs little more) always fills the budget.
 """
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ class Scheduler:
         grant[oldest] = min(left[oldest], self.config.long_prefill_token_threshold, budget)
         budget -= grant[oldest]
         finishing = int(grant[oldest] == left[oldest])
+        fixed = self._fixed_tokens(len(chunks) + (0 if finishing else grant[oldest]))
         order = sorted(candidates, key=lambda s: left[s] - grant[s])   # stable: ties FCFS
         for i, seq in enumerate(order):
             need = left[seq] - grant[seq]
@@ -137,7 +139,7 @@ class Scheduler:
             if need == 0:
                 continue
             extra = min(need, budget)
-            if finishing and not self._worth_adding(extra, need, finishing, len(order) - i):
+            if finishing and not self._worth_adding(extra, need, finishing, len(order) - i, fixed):
                 break
             grant[seq] += extra
             budget -= extra
@@ -149,12 +151,18 @@ class Scheduler:
             if n:
                 chunks[seq] = n
 
-    def _worth_adding(self, extra: int, need: int, finishing: int, waiting: int) -> bool:
-        """Whether `extra` more prefill tokens belong in a step where `finishing` prompts get
-        their first token: yes if they finish a prompt and the step overhead saved for the
-        `waiting` prompts (this one included) outweighs the delay to those finishing."""
+    def _fixed_tokens(self, repeated: int) -> int:
+        """A step's fixed content in tokens: the overhead plus `repeated` tokens every step
+        carries anyway (decodes, the oldest prefill's chunk); 0 when steps are filled."""
         k = self.config.step_overhead_tokens
-        return k <= 0 or (extra == need and extra * finishing <= k * waiting)
+        return k + repeated if k > 0 else 0
+
+    @staticmethod
+    def _worth_adding(extra: int, need: int, finishing: int, waiting: int, fixed: int) -> bool:
+        """Whether `extra` more prefill tokens belong in a step where `finishing` prompts get
+        their first token: yes if they finish a prompt and the step saved for the `waiting`
+        prompts (this one included) outweighs the delay to those finishing."""
+        return fixed <= 0 or (extra == need and extra * finishing <= fixed * waiting)
 
     def _uncached_tokens(self, seq: Sequence) -> int:
         """Tokens `seq` still has to compute (for a waiting one: beyond its cached prefix)."""
@@ -189,6 +197,7 @@ class Scheduler:
             chunks[seq] = n
             budget -= n
         num_prefills = len(chunks)
+        fixed = self._fixed_tokens(sum(chunks.values()))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.match_prefix(seq)
@@ -196,7 +205,8 @@ class Scheduler:
             if remaining > budget and len(chunks) > num_prefills:
                 break       # whole prompts only; an oversize one waits to be the step's only prefill
             taken = len(chunks) - num_prefills
-            if taken and not self._worth_adding(remaining, remaining, taken, len(self.waiting)):
+            if taken and not self._worth_adding(remaining, remaining, taken, len(self.waiting),
+                                                fixed):
                 break
             if not self.bm.allocate(seq, len(cached) * self.bm.block_size + remaining, cached):
                 break
