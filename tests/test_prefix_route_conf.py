@@ -41,3 +41,11 @@ def test_kubernetes_example_is_a_multi_replica_gateway_with_discovery():
     Gateway(cfg)
     mount = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert mount[-1] == "/etc/prefixgate/gateway.yaml"
+
+
+def test_production_example_validates_and_builds_every_plugin():
+    cfg = load(CONF / "gateway.production.yaml")
+    gw = Gateway(cfg)
+    assert [p.name for p in gw.chain.plugins] == ["admission", "normalize", "prefix_route",
+                                                  "metrics"]
+    assert cfg["auth"]["api_keys"] and cfg["admin_listen"]["port"] == 9090
