@@ -149,7 +149,9 @@ def plot_cdfs(archive: dict, path: str) -> None:
     ax.set_ylabel("fraction of requests")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
-    ax.set_title(f"TTFT CDF — {archive['config'].get('url', '')}")
+    cfg = archive["config"]
+    target = cfg.get("url") or f"scenario {cfg.get('scenario', '?')}, {cfg.get('model', '')}"
+    ax.set_title(f"TTFT CDF — {target}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -12,7 +13,7 @@ from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.normalize import SPEC as NORMALIZE_SPEC, Normalizer
 from prefixgate.proxy import bench, bench_seed
-from prefixgate.proxy.bench_archive import SCHEMA, have_matplotlib
+from prefixgate.proxy.bench_archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench_prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench_stats import percentile
 from prefixgate.proxy.config import check
@@ -120,15 +121,19 @@ async def test_unreachable_target_is_a_clear_error(tmp_path):
     assert rc == 2 and "/v1/models gave no model" in stderr
 
 
-async def test_plot_without_matplotlib_says_how_to_install():
-    if have_matplotlib():
-        pytest.skip("matplotlib is installed here")
-    rc, _, stderr = await run_cli("bench", "--url", "http://127.0.0.1:9", "--plot", "x.png")
-    assert rc == 2 and "prefixgate[plot]" in stderr
+async def test_plot_without_matplotlib_says_how_to_install(tmp_path):
+    # a `matplotlib` that fails to import, first on the child's path: as if not installed
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.proxy.cli", "bench", "--url", "http://127.0.0.1:9",
+        "--plot", "x.png", env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 2 and "prefixgate[plot]" in err.decode()
 
 
 async def test_plot_draws_cdfs(make_standin, tmp_path):
-    pytest.importorskip("matplotlib")
     up = await make_standin(first_delay=0.01)
     png = tmp_path / "cdf.png"
     rc, _, stderr = await run_cli("bench", "--url", up.url, "--tiers", "16", "--concurrency",
@@ -228,7 +233,7 @@ class StandInEngines:
             await s.stop()
 
 
-async def test_seed_stages_run_behind_the_gateway(capsys):
+async def test_seed_stages_run_behind_the_gateway(capsys, tmp_path):
     w = bench_seed.Workload(prompt_tokens=400, tenants=4, requests=6, warmup=6, concurrency=2,
                             think_ms=50, max_tokens=2, rounds=2)
     stages = [s for s in bench_seed.STAGES if s.name in ("baseline", "+prefix cache",
@@ -259,6 +264,10 @@ async def test_seed_stages_run_behind_the_gateway(capsys):
             if line.startswith(("baseline", "+prefix", "+affinity"))}
     assert rows["baseline"][-3] == "12"             # no prefix cache: every request misses
     assert int(rows["+prefix"][-3]) < 12 and rows["+affinity"][-1] == "0"
+    save_outputs(archive, str(tmp_path / "seed.json"), str(tmp_path / "seed.png"))
+    saved = json.loads((tmp_path / "seed.json").read_text())
+    assert saved["kind"] == "seed" and saved["config"]["workload"]["think_ms"] == 50
+    assert (tmp_path / "seed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_every_request_of_a_run_is_its_own(make_standin):
