@@ -149,9 +149,9 @@ TOP = {
     "retries": Key(int, 1, non_negative),     # other upstreams tried before the first byte
     "limits": Key(dict, dict, nested={
         "max_body_bytes": Key(int, 16 * 1024 * 1024, positive),
-        "max_header_bytes": Key(int, 8190, positive),     # one header field; larger → 400
-        "max_line_bytes": Key(int, 8190, positive),       # request line; longer → 400
-        "max_headers": Key(int, 128, positive),           # header count; more → 400
+        "max_header_bytes": Key(int, 8190, positive),     # one header field; larger → 431
+        "max_line_bytes": Key(int, 8190, positive),       # request line; longer → 431
+        "max_headers": Key(int, 128, positive),           # header count; more → 431
         "body_timeout_s": Key((int, float), 30.0, positive),   # slow (slowloris) body → 408
         "idle_timeout_s": Key((int, float), 75.0, positive),   # no complete request head → close
         "max_json_depth": Key(int, 64, positive),         # deeper request JSON → 400

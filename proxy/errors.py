@@ -14,6 +14,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "upstream_error",
     503: "service_unavailable",

@@ -131,10 +131,29 @@ async def limited(standin):
     {f"X-H{i}": "v" for i in range(40)},
 ])
 async def test_oversized_headers_are_rejected(limited, standin, headers):
-    async with aiohttp.ClientSession() as client:     # aiohttp's parser answers, in plain text
+    async with aiohttp.ClientSession() as client:
         async with client.post(limited + "/v1/chat/completions", json=CHAT,
                                headers=headers) as r:
-            assert r.status in (400, 431)
+            assert r.headers["Content-Type"].startswith("application/json")
+            assert_openai_error(await r.json(), 431, r.status)
+    assert standin.requests == []
+
+
+@pytest.mark.parametrize("head", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+    b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+async def test_unparsable_requests_get_json_errors(limited, standin, head):
+    host, port = limited.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head)
+    raw = await asyncio.wait_for(reader.read(), 5)     # answered, then closed
+    writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    status = int(status_line.split()[1])
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert_openai_error(body, 431 if b"a" * 2000 in head else 400, status)
     assert standin.requests == []
 
 
