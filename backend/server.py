@@ -28,6 +28,7 @@ from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.proxy.errors import HTTPError
+from prefixgate.proxy.server import start_app
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -393,14 +394,10 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
     metrics = EngineMetrics(core)
     async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
     server = EngineServer(async_engine, metrics, ns.default_max_tokens)
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts the sequence
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host or ns.host, ns.port if port is None else port)
-    await site.start()
-    bound_host, bound_port = runner.addresses[0][:2]
+    # start_app cancels the handler of a client that hangs up, which aborts its sequence
+    runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
     async_engine.start()
-    return RunningServer(runner, f"http://{bound_host}:{bound_port}", async_engine, metrics)
+    return RunningServer(runner, url, async_engine, metrics)
 
 
 async def _serve_forever(argv: list[str]) -> None:

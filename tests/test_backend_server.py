@@ -4,6 +4,7 @@ the Prometheus names."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import sys
@@ -148,6 +149,16 @@ async def test_unknown_route_is_an_openai_404(server):
         async with s.get(server.url + "/v1/nope") as r:
             assert r.status == 404
             assert "error" in await r.json()
+
+
+async def test_a_request_that_does_not_parse_gets_a_json_400(server):
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ?\r\n\r\n")
+    raw = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"400" and json.loads(body)["error"]["code"] == "bad_request"
 
 
 async def test_metrics_names_and_latency_histograms(server):
