@@ -68,6 +68,33 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
 
 
+class _InFlightBlocks:
+    """Prompt blocks that admitted sequences are computing now (by prefix-cache hash).
+
+    A queued prompt whose next uncached block is among them waits a step or a few: admitted
+    now, it would compute the same prefix a second time; once its twin has computed those
+    blocks they are cached and it only computes the rest. (A burst of requests with a new
+    system prompt otherwise computes that prompt once per request.)"""
+
+    def __init__(self, bm: BlockManager, running: list[Sequence]):
+        self.bm = bm
+        self.hashes: set[int] = set()
+        if bm.enable_prefix_caching:
+            for seq in running:
+                if seq.num_uncomputed_tokens > 1:       # still prefilling
+                    self.hashes.update(seq.block_hashes[seq.num_computed_tokens // bm.block_size:])
+
+    def wait(self, seq: Sequence) -> bool:
+        """Whether `seq` should wait for a twin; if not, its blocks count as in flight."""
+        if not self.bm.enable_prefix_caching:
+            return False
+        i = len(self.bm.match_prefix(seq))              # also hashes seq's full blocks
+        if i < len(seq.block_hashes) and seq.block_hashes[i] in self.hashes:
+            return True
+        self.hashes.update(seq.block_hashes[i:])
+        return False
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: set[int] | frozenset[int] = frozenset()):
@@ -121,7 +148,8 @@ class Scheduler:
         arrival order; the first sequence that cannot get its blocks ends the pass."""
         seats = max(self.config.max_num_seqs - len(self.running), 0)
         candidates = [s for s in self.running if s not in chunks]
-        candidates += list(itertools.islice(self.waiting, seats))
+        twins = _InFlightBlocks(self.bm, self.running)
+        candidates += [s for s in itertools.islice(self.waiting, seats) if not twins.wait(s)]
         if not candidates or budget <= 0:
             return
         left = {s: self._uncached_tokens(s) for s in candidates}
@@ -198,8 +226,11 @@ class Scheduler:
             budget -= n
         num_prefills = len(chunks)
         fixed = self._fixed_tokens(sum(chunks.values()))
+        twins = _InFlightBlocks(self.bm, self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if twins.wait(seq):
+                break       # the next step finds its prefix cached
             cached = self.bm.match_prefix(seq)
             remaining = len(seq) - len(cached) * self.bm.block_size
             if remaining > budget and len(chunks) > num_prefills:

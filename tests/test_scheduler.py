@@ -236,3 +236,16 @@ def test_short_prompts_still_share_a_step_when_steps_have_a_cost():
     assert 5 <= len(batch.seqs) < 10
     run(s)
     assert all(q.output_token_ids == expected_output(q) for q in qs)
+
+
+def test_a_twin_waits_for_the_prefix_being_computed_instead_of_computing_it_again():
+    for chunked in (True, False):
+        s = make(num_blocks=256, max_num_batched_tokens=64, enable_chunked_prefill=chunked)
+        a = Sequence(list(range(40)) + [900, 901], SamplingParams(max_tokens=2))
+        b = Sequence(list(range(40)) + [950, 951], SamplingParams(max_tokens=2))
+        s.add(a)
+        s.add(b)
+        assert first_token_steps(s, [a, b]) == [1, 2]
+        run(s)
+        assert b.num_cached_tokens == 40 and s.bm.prefix_hits == 40     # computed once
+        assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
