@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, help="measured requests per cell (default 200; "
                    "seed: per stage and round, 60)")
     p.add_argument("--warmup", type=int, help="uncounted requests before each cell (default "
-                   "10; seed: 32)")
+                   "10; seed: 48)")
     p.add_argument("--max-tokens", type=int, help="output tokens per request (default 1; "
                    "seed: 8)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, SGLang) "
