@@ -236,9 +236,9 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
         async with client_session(timeout) as session:
             def body(i: int, start: int = offset) -> dict:
                 return request_body(prompts.body(start + i), "demo", w.max_tokens, True, "chat")
-            # each tenant's first, cold visit, all answered before the users start: else
-            # those prefills, served after the cache hits that keep arriving, are still
-            # queued when measuring begins (a production cache is warm in steady state)
+            # each tenant's first, cold visit, all answered before the users start (a
+            # production cache is warm in steady state; the scheduler would serve these
+            # cold prefills after the cache hits that keep arriving)
             prime = min(w.tenants, w.warmup)
             primed = await measure(session, url + "/v1/chat/completions", {}, body, requests=0,
                                    warmup=prime, concurrency=w.concurrency,
