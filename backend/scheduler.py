@@ -79,6 +79,7 @@ class _InFlightBlocks:
     def __init__(self, bm: BlockManager, running: list[Sequence]):
         self.bm = bm
         self.hashes: set[int] = set()
+        self.cached_tokens: dict[Sequence, int] = {}    # of the queued prompts looked at
         if bm.enable_prefix_caching:
             for seq in running:
                 if seq.num_uncomputed_tokens > 1:       # still prefilling
@@ -86,9 +87,10 @@ class _InFlightBlocks:
 
     def wait(self, seq: Sequence) -> bool:
         """Whether `seq` should wait for a twin; if not, its blocks count as in flight."""
+        i = len(self.bm.match_prefix(seq))              # also hashes seq's full blocks
+        self.cached_tokens[seq] = i * self.bm.block_size
         if not self.bm.enable_prefix_caching:
             return False
-        i = len(self.bm.match_prefix(seq))              # also hashes seq's full blocks
         if i < len(seq.block_hashes) and seq.block_hashes[i] in self.hashes:
             return True
         self.hashes.update(seq.block_hashes[i:])
@@ -152,7 +154,8 @@ class Scheduler:
         candidates += [s for s in itertools.islice(self.waiting, seats) if not twins.wait(s)]
         if not candidates or budget <= 0:
             return
-        left = {s: self._uncached_tokens(s) for s in candidates}
+        left = {s: s.num_uncomputed_tokens if s.status is SequenceStatus.RUNNING
+                else len(s) - twins.cached_tokens[s] for s in candidates}
         grant = dict.fromkeys(candidates, 0)
         oldest = candidates[0]
         grant[oldest] = min(left[oldest], self.config.long_prefill_token_threshold, budget)
@@ -191,12 +194,6 @@ class Scheduler:
         their first token: yes if they finish a prompt and the step saved for the `waiting`
         prompts (this one included) outweighs the delay to those finishing."""
         return fixed <= 0 or (extra == need and extra * finishing <= fixed * waiting)
-
-    def _uncached_tokens(self, seq: Sequence) -> int:
-        """Tokens `seq` still has to compute (for a waiting one: beyond its cached prefix)."""
-        if seq.status is SequenceStatus.RUNNING:
-            return seq.num_uncomputed_tokens
-        return len(seq) - len(self.bm.match_prefix(seq)) * self.bm.block_size
 
     def _take_blocks(self, seq: Sequence, n: int) -> bool:
         """Blocks for the next `n` tokens of `seq`; a waiting sequence is admitted with its

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine_support import ServerThread, complete_ids, hf_greedy, load_hf, metrics
+from helpers import wait_until_healthy
 from model_factory import make_tiny_model
 from prefixgate.backend.tokenizer import Tokenizer
 
@@ -217,13 +218,7 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.1)
+            await wait_until_healthy(s, url, 60)
             got = await complete_ids(s, url, [5, 6, 7], 3)
         assert len(got["token_ids"]) == 3
     finally:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from hardening_support import free_port
-from helpers import CHAT, assert_openai_error, event_json, read_events
+from helpers import CHAT, assert_openai_error, event_json, read_events, wait_until_healthy
 
 
 class BadServer:
@@ -107,13 +107,7 @@ async def test_upstream_process_killed_mid_stream(make_standin, make_gateway):
     try:
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as client:
-            for _ in range(100):                      # wait until it listens
-                try:
-                    async with client.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
+            await wait_until_healthy(client, url, 5)
             good = await make_standin()
             gw = await two_upstreams(make_gateway, url, good)
             async with client.post(gw.url + "/v1/chat/completions",
