@@ -1,7 +1,6 @@
 """Small client-side helpers shared by tests."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -20,20 +19,6 @@ async def read_events(resp: aiohttp.ClientResponse) -> list[tuple[float, bytes]]
             event, buf = buf.split(b"\n\n", 1)
             events.append((now, event))
     return events
-
-
-async def wait_until_healthy(session: aiohttp.ClientSession, url: str, timeout: float) -> None:
-    """Poll `url`/health until it answers 200 (a server process still starting up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} did not become healthy within {timeout} s")
 
 
 def event_json(event: bytes) -> dict | str:

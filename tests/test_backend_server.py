@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engine_support import ServerThread, complete_ids, hf_greedy, load_hf, metrics
-from helpers import wait_until_healthy
 from model_factory import make_tiny_model
 from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.proxy.bench_overhead import wait_ready
 
 MAX_LEN = 1024
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
@@ -218,7 +218,7 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            await wait_until_healthy(s, url, 60)
+            await wait_ready(url, "/health", 60)
             got = await complete_ids(s, url, [5, 6, 7], 3)
         assert len(got["token_ids"]) == 3
     finally:

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from hardening_support import free_port
-from helpers import CHAT, assert_openai_error, event_json, read_events, wait_until_healthy
+from helpers import CHAT, assert_openai_error, event_json, read_events
+from prefixgate.proxy.bench_overhead import wait_ready
 
 
 class BadServer:
@@ -107,7 +108,7 @@ async def test_upstream_process_killed_mid_stream(make_standin, make_gateway):
     try:
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as client:
-            await wait_until_healthy(client, url, 5)
+            await wait_ready(url, "/health", 5)
             good = await make_standin()
             gw = await two_upstreams(make_gateway, url, good)
             async with client.post(gw.url + "/v1/chat/completions",
