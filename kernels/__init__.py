@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .common import pick_backend
-from .decode_attention_ref import decode_attention_ref
-from .prefill_attention_ref import prefill_attention_ref
-from .write_kv_ref import write_kv_ref
+from prefixgate.kernels.common import pick_backend
+from prefixgate.kernels.decode_attention_ref import decode_attention_ref
+from prefixgate.kernels.prefill_attention_ref import prefill_attention_ref
+from prefixgate.kernels.write_kv_ref import write_kv_ref
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -26,7 +26,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
     seq_lens[s] cached tokens. Returns [num_seqs, num_heads, head_dim] in q's dtype."""
     if pick_backend(backend, q) == "torch":
         return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-    from .decode_attention_triton import decode_attention_triton
+    from prefixgate.kernels.decode_attention_triton import decode_attention_triton
     return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
@@ -38,7 +38,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     if pick_backend(backend, q) == "torch":
         return prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, k_scale, v_scale)
-    from .prefill_attention_triton import prefill_attention_triton
+    from prefixgate.kernels.prefill_attention_triton import prefill_attention_triton
     return prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                     scale, k_scale, v_scale)
 
@@ -48,5 +48,5 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *
     FP8 caches quantize with k_scale/v_scale. Negative slots are skipped (padding)."""
     if pick_backend(backend, k) == "torch":
         return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    from .write_kv_triton import write_kv_triton
+    from prefixgate.kernels.write_kv_triton import write_kv_triton
     return write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

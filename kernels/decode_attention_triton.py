@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import is_fp8
-from .triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, num_sms, pow2, scale_args
+from prefixgate.kernels.common import is_fp8
+from prefixgate.kernels.triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, num_sms, pow2, scale_args
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32

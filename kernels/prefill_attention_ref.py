@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode_attention_ref import causal_attention, decode_attention_ref, fp8_scales, gather_kv
+from prefixgate.kernels.decode_attention_ref import causal_attention, decode_attention_ref, fp8_scales, gather_kv
 
 
 def prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

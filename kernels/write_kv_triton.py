@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, is_fp8
-from .triton_utils import pow2, scale_args
+from prefixgate.kernels.common import FP8_MAX, is_fp8
+from prefixgate.kernels.triton_utils import pow2, scale_args
 
 
 @triton.jit

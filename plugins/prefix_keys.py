@@ -121,7 +121,7 @@ class DynamicSpans:
     """
 
     def __init__(self, cache_size: int = 1024):
-        from prefixgate.plugins.detectors import Detector, code_spans, tokens
+        from prefixgate.plugins.normalize.detectors import Detector, code_spans, tokens
         self._detector, self._code_spans, self._tokens = Detector(), code_spans, tokens
         self._cache: OrderedDict[int, int] = OrderedDict()
         self._size = cache_size

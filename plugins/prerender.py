@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prefixgate.proxy.config import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.plugin import Plugin
 
-from .prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
+from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)

@@ -12,15 +12,17 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
-from . import guard, h1pool, plugin as plugins
-from ..plugins import token_forward
-from .auth import Auth
-from .context import RequestContext
-from .errors import HTTPError
-from .discovery import Discovery
-from .health import Health
-from .reload import TrackingRegistry, build_chain
-from .upstream import Upstream
+from prefixgate.proxy import guard
+from prefixgate.proxy import h1pool
+from prefixgate.proxy import plugin as plugins
+from prefixgate.proxy import token_forward
+from prefixgate.proxy.auth import Auth
+from prefixgate.proxy.context import RequestContext
+from prefixgate.proxy.errors import HTTPError
+from prefixgate.proxy.discovery import Discovery
+from prefixgate.proxy.health import Health
+from prefixgate.proxy.reload import TrackingRegistry, build_chain
+from prefixgate.proxy.upstream import Upstream
 
 log = logging.getLogger("prefixgate")
 
@@ -145,7 +147,7 @@ class Gateway:
 
     async def reload(self, cfg: dict) -> None:
         """Apply a new validated config; in-flight requests finish on what they started with."""
-        from .reload import apply
+        from prefixgate.proxy.reload import apply
         await apply(self, cfg)
 
     # --- errors ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from .config import check_upstreams
+from prefixgate.proxy.config import check_upstreams
 
 
 def free_port(host: str) -> int:

@@ -9,15 +9,15 @@ import logging
 import signal
 import sys
 
-from . import config as config_mod
-from .config import ConfigError
+from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import ConfigError
 
 # subcommands implemented elsewhere: name -> module whose main(argv) -> int runs it
 DELEGATED = {
     "backend": ("prefixgate.backend.server", "serve a model with the bundled engine"),
     "verify-weights": ("prefixgate.backend.loader", "check a checkpoint's shards, hashes, keys"),
-    "bench": ("prefixgate.proxy.bench", "measure TTFT/TPOT/goodput against a URL"),
-    "doctor": ("prefixgate.proxy.doctor", "diagnose TTFT problems of an OpenAI-compatible URL"),
+    "bench": ("prefixgate.proxy.bench.cli", "measure TTFT/TPOT/goodput against a URL"),
+    "doctor": ("prefixgate.proxy.doctor.cli", "diagnose TTFT problems of an OpenAI-compatible URL"),
 }
 
 
@@ -90,9 +90,9 @@ def serve_command(args) -> int:
 
 async def serve(cfg: dict, reload_config=None) -> None:
     """Run until SIGINT/SIGTERM; SIGHUP re-reads the config through `reload_config()`."""
-    from .app import Gateway
-    from .bundled import BundledEngines
-    from .server import start_app
+    from prefixgate.proxy.app import Gateway
+    from prefixgate.proxy.bundled import BundledEngines
+    from prefixgate.proxy.server import start_app
 
     engines = None
     if cfg["bundled"] is not None:

@@ -196,11 +196,12 @@ def validate(raw: Any) -> dict:
     """Validate a whole config mapping (plugins are checked when they are built)."""
     cfg = check(raw, TOP)
     cfg["upstreams"] = check_upstreams(cfg["upstreams"], cfg["timeouts"])
-    from . import auth, health        # their modules own their key specs
+    from prefixgate.proxy import auth
+    from prefixgate.proxy import health  # their modules own their key specs
     cfg["health"] = check(cfg["health"], health.SPEC, "health")
     cfg["auth"] = auth.validate(cfg["auth"])
     if cfg["discovery"] is not None:
-        from . import discovery
+        from prefixgate.proxy import discovery
         cfg["discovery"] = discovery.validate(cfg["discovery"], cfg["timeouts"])
     if not cfg["upstreams"] and cfg["bundled"] is None and cfg["discovery"] is None:
         raise ConfigError("upstreams", "required (a list of {name, url}), `discovery:` "

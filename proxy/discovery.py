@@ -23,8 +23,8 @@ import logging
 import socket
 from typing import Awaitable, Callable
 
-from .config import UPSTREAM, ConfigError, Key, check, one_of, positive
-from .server import cancel_and_wait
+from prefixgate.proxy.config import UPSTREAM, ConfigError, Key, check, one_of, positive
+from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.discovery")
 

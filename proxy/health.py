@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .config import Key, non_negative, positive
-from .server import cancel_and_wait
+from prefixgate.proxy.config import Key, non_negative, positive
+from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.health")
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, Key, check
+from prefixgate.proxy.config import ConfigError, Key, check
 
 if TYPE_CHECKING:
-    from .context import RequestContext
-    from .upstream import Upstream
+    from prefixgate.proxy.context import RequestContext
+    from prefixgate.proxy.upstream import Upstream
 
 # short name -> "module:Class"; imported lazily so a config only pays for what it uses
 BUILTIN = {
     "round_robin": "prefixgate.plugins.balance:RoundRobin",
     "least_inflight": "prefixgate.plugins.balance:LeastInflight",
     "metrics": "prefixgate.plugins.metrics:Metrics",
-    "normalize": "prefixgate.plugins.normalize:Normalize",
+    "normalize": "prefixgate.plugins.normalize.plugin:Normalize",
     "prerender": "prefixgate.plugins.prerender:Prerender",
-    "prefix_route": "prefixgate.plugins.prefix_route:PrefixRoute",
+    "prefix_route": "prefixgate.plugins.prefix_route.plugin:PrefixRoute",
     "admission": "prefixgate.plugins.admission:Admission",
 }
 

@@ -15,8 +15,8 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from . import plugin as plugins
-from .config import ConfigError
+from prefixgate.proxy import plugin as plugins
+from prefixgate.proxy.config import ConfigError
 
 log = logging.getLogger("prefixgate.reload")
 
@@ -90,7 +90,7 @@ def _build_one(gw, i: int, item):
 
 async def apply(gw, cfg: dict) -> None:
     """Switch `gw` to the validated config `cfg`, or raise ConfigError and change nothing."""
-    from .auth import Auth
+    from prefixgate.proxy.auth import Auth
     owned = _owned(gw)
     old_chain, old_registry, old_hooks = gw.chain, gw.registry, list(gw.on_connect)
     old_entries = list(gw._plugin_keys)

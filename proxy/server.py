@@ -7,7 +7,7 @@ import logging
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from .errors import HTTPError
+from prefixgate.proxy.errors import HTTPError
 
 log = logging.getLogger("prefixgate.server")
 

@@ -5,7 +5,7 @@ from typing import Callable
 
 import aiohttp
 
-from .h1pool import Pool
+from prefixgate.proxy.h1pool import Pool
 
 
 class Upstream:

@@ -8,7 +8,7 @@ import pytest
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.server import start_app
-from prefixgate.proxy.standin import Behaviour, StandIn
+from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 
 @dataclass

@@ -11,13 +11,14 @@ import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.backend.tokenizer import Tokenizer
-from prefixgate.plugins.normalize import SPEC as NORMALIZE_SPEC, Normalizer
-from prefixgate.proxy import bench, bench_seed
-from prefixgate.proxy.bench_archive import SCHEMA, save_outputs
-from prefixgate.proxy.bench_prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
-from prefixgate.proxy.bench_stats import percentile
+from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC, Normalizer
+from prefixgate.proxy.bench import cli as bench
+from prefixgate.proxy.bench import seed as bench_seed
+from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
+from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
+from prefixgate.proxy.bench.stats import percentile
 from prefixgate.proxy.config import check
-from prefixgate.proxy.standin import Behaviour, StandIn
+from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 
 async def run_cli(*argv: str) -> tuple[int, str, str]:

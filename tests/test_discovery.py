@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from prefixgate.proxy.config import ConfigError, validate
-from prefixgate.proxy.standin import Behaviour, StandIn
+from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 from test_prefix_route import FAMILIES, body, post
 

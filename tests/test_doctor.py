@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prefixgate.proxy import doctor_metrics as pm
-from prefixgate.proxy.doctor_checks import engine_state
-from prefixgate.proxy.doctor_prompt import divergence, dynamic_fields
+from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor.checks import engine_state
+from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
 from prefixgate.proxy.server import start_app
 
 SYSTEM = ("You are the support assistant of ACME Corp. Answer in two sentences at most, "

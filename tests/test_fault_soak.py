@@ -9,7 +9,7 @@ import sys
 
 def test_short_soak_passes(tmp_path):
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "-m", "prefixgate.proxy.soak", "--seconds", "6",
+    proc = subprocess.run([sys.executable, "-m", "prefixgate.proxy.bench.soak", "--seconds", "6",
                            "--warmup-s", "2", "--concurrency", "16", "--sample-s", "2",
                            "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from prefixgate.plugins.fleet_sim import CostModel, FleetSim, main, rate_for
-from prefixgate.plugins.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_sim import CostModel, FleetSim, main, rate_for
+from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
 
 COST = CostModel(kv_blocks=2048)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prefixgate.plugins.learner import Learner
-from prefixgate.plugins.normalize import CLOSE, OPEN, SPEC, Normalizer
+from prefixgate.plugins.normalize.learner import Learner
+from prefixgate.plugins.normalize.plugin import CLOSE, OPEN, SPEC, Normalizer
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import ConfigError, check, validate
 

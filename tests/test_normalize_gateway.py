@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import yaml
 
-from prefixgate.plugins.normalize import CLOSE, OPEN
+from prefixgate.plugins.normalize.plugin import CLOSE, OPEN
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "data" / "prompts.yaml").read_text("utf-8"))
 DYN = {e["id"]: e for e in CORPUS["dynamic"]}

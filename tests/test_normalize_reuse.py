@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prefixgate.plugins import detectors
-from prefixgate.plugins.learner import template_key
-from prefixgate.plugins.normalize import SPEC, Normalizer
-from prefixgate.plugins.suffix_reuse import reuse
+from prefixgate.plugins.normalize import detectors
+from prefixgate.plugins.normalize.learner import template_key
+from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
+from prefixgate.plugins.normalize.suffix_reuse import reuse
 from prefixgate.proxy.config import check
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "data" / "prompts.yaml").read_text("utf-8"))

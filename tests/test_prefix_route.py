@@ -280,7 +280,7 @@ async def test_llamacpp_slot_affinity(make_standin, make_gateway):
 
 
 def test_index_matches_a_naive_model_and_stays_prefix_closed():
-    from prefixgate.plugins.prefix_index import PrefixIndex
+    from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
     rng = random.Random(11)
     index, naive = PrefixIndex(capacity=40), {}        # naive: name -> list of blocks, LRU order
     heads = [[rng.getrandbits(63) for _ in range(8)] for _ in range(5)]

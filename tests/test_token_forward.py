@@ -12,7 +12,7 @@ from engine_support import ServerThread
 from model_factory import make_tiny_model
 from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.prerender import PromptCache
-from prefixgate.plugins.token_forward import (StreamConverter, chat_to_completions,
+from prefixgate.proxy.token_forward import (StreamConverter, chat_to_completions,
                                               completion_to_chat, eligible)
 
 MESSAGES = [{"role": "system", "content": "You are brief. " * 20},

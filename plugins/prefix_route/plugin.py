@@ -22,7 +22,7 @@ as `least_inflight`. Two policies:
       new prefix families instead of piling them where a common preamble was seen.
 
 Load is the gateway's in-flight count per upstream or, with `poll_metrics_s`, the backends'
-own running + waiting counts (`proxy/load_poll.py`), which all gateway replicas see alike.
+own running + waiting counts (`load_poll.py`), which all gateway replicas see alike.
 """
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from prefixgate.proxy.config import Key, non_negative, one_of, positive
-from prefixgate.proxy.load_poll import LoadPoller
+from prefixgate.plugins.prefix_route.load_poll import LoadPoller
 from prefixgate.proxy.plugin import Plugin
 
-from .hash_ring import HashRing
-from .prefix_index import PrefixIndex
-from .prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain, prompt_token_ids,
+from prefixgate.plugins.prefix_route.hash_ring import HashRing
+from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
+from prefixgate.plugins.prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain, prompt_token_ids,
                           render, render_parts, tail_hash)
 
 

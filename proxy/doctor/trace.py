@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from .bench_client import error_message, has_content
+from prefixgate.proxy.bench.client import error_message, has_content
 
 ACCEPT_ENCODING = "gzip, deflate, br"     # what httpx (the OpenAI SDK) and browsers send
 

@@ -6,7 +6,7 @@ Measures, with baselines timed in the same run:
   prefill  paged prefill over a cached prefix (half the context cached, half new) at 4k and 32k:
            causal TFLOP/s vs torch SDPA (lower-right causal mask, contiguous KV)
   e2e      engine tokens/s and TTFT on a ~0.5B Qwen2-shaped random model, Triton + CUDA graphs vs
-           the reference path (see bench_e2e.py)
+           the reference path (see e2e.py)
 Prints medians, saves JSON (--json). `--cpu-smoke` runs tiny shapes through the Triton
 interpreter on CPU so the script itself stays tested where no GPU is lent.
 """
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         if "prefill" in a.only:
             results["prefill"] = bench_prefill(a, device)
     if "e2e" in a.only:
-        from prefixgate.kernels.bench_e2e import bench_e2e
+        from prefixgate.kernels.bench.e2e import bench_e2e
         results["e2e"] = bench_e2e(a, device)
     if a.json:
         with open(a.json, "w") as f:

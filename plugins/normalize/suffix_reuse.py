@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from .detectors import WINDOW, Found, scan
+from prefixgate.plugins.normalize.detectors import WINDOW, Found, scan
 
 MARGIN = WINDOW + 56        # > the label window, with room for a separator and a prefix word
 BLOCK = 1024                # suffix compared block by block, from the end

@@ -5,7 +5,7 @@ directly, through nginx configured as operators do for SSE (proxy_buffering off,
 HTTP/1.1 upstream keep-alive), and through `prefixgate serve`. Each server runs in its own
 process; this process is the client. Prints medians over rounds and ratios vs nginx.
 
-    python -m prefixgate.proxy.bench_overhead --concurrency 1,32 --requests 2000 --rounds 3
+    python -m prefixgate.proxy.bench.overhead --concurrency 1,32 --requests 2000 --rounds 3
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .bundled import free_port
+from prefixgate.proxy.bundled import free_port
 
 NGINX_CONF = """
 worker_processes auto;
@@ -133,7 +133,7 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None) -> tuple[dict, 
     whose CPU counts as each target's proxy cost (none for direct)."""
     procs, targets, pids = [], {}, {}
     up_port = free_port("127.0.0.1")
-    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.standin", "--port", str(up_port),
+    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.standin", "--port", str(up_port),
                         "--tokens", str(tokens), "--no-record"]))
     targets["direct"] = f"http://127.0.0.1:{up_port}"
     if nginx_bin:
@@ -204,7 +204,7 @@ def report(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.bench_overhead",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.bench.overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,32",
                    type=lambda s: [int(x) for x in s.split(",")])

@@ -20,13 +20,13 @@ import time
 
 import aiohttp
 
-from . import doctor_checks as checks
-from . import doctor_metrics as pm
-from .bench import auth_headers, base_url, pick_model, TargetError
-from .bench_archive import snapshot
-from .bench_prompts import load_tokenizer, words
-from .doctor_prompt import divergence, dynamic_fields
-from .doctor_trace import trace_stream
+from prefixgate.proxy.doctor import checks as checks
+from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.bench.cli import auth_headers, base_url, pick_model, TargetError
+from prefixgate.proxy.bench.archive import snapshot
+from prefixgate.proxy.bench.prompts import load_tokenizer, words
+from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
+from prefixgate.proxy.doctor.trace import trace_stream
 
 MARK = {"PASS": "ok  ", "INFO": "info", "WARN": "warn", "FAIL": "FAIL", "SKIP": "skip"}
 

@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prefixgate.proxy.config import ConfigError, Key, one_of, positive, non_negative
 from prefixgate.proxy.plugin import Plugin
 
-from .detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
+from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
                         scan, word_start)
-from .learner import Learner, template_key
-from .suffix_reuse import reuse
+from prefixgate.plugins.normalize.learner import Learner, template_key
+from prefixgate.plugins.normalize.suffix_reuse import reuse
 
 REUSE_MIN_CHARS = 4096      # shorter texts are scanned whole: reuse would not pay
 REUSE_KEY_CHARS = 256       # texts ending in the same 256 chars are tried for reuse

@@ -6,7 +6,7 @@ requests before. Baseline: `round_robin`'s pick in the same run. Key hashing is 
 own (prerender hashes token blocks once per request; the text fallback renders and hashes
 the messages).
 
-    python -m prefixgate.plugins.route_bench --upstreams 64 --requests 20000
+    python -m prefixgate.plugins.sim.route_bench --upstreams 64 --requests 20000
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import validate
 from prefixgate.proxy.context import RequestContext
 
-from .fleet_trace import Trace, TraceConfig
-from .prefix_keys import block_hash_chain, byte_hash_chain, render
+from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.prefix_keys import block_hash_chain, byte_hash_chain, render
 
 POLICIES = {
     "round_robin": ["round_robin"],
@@ -77,7 +77,7 @@ def _us(xs, q) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.route_bench")
+    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.sim.route_bench")
     p.add_argument("--upstreams", type=int, default=64)
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--policies", default=",".join(POLICIES))

@@ -21,10 +21,10 @@ from typing import Callable
 
 import aiohttp
 
-from . import bench_archive as archive_mod
-from .bench_client import Sample, closed_loop, open_loop, stream_once
-from .bench_prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
-from .bench_stats import cell_table, compare_table, summarize
+from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy.bench.client import Sample, closed_loop, open_loop, stream_once
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
+from prefixgate.proxy.bench.stats import cell_table, compare_table, summarize
 
 
 def positive_list(cast, noun: str):
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixgate bench: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
         return 2
     if args.scenario == "seed":
-        from .bench_seed import run_seed
+        from prefixgate.proxy.bench.seed import run_seed
         return run_seed(args)
     if not args.url:
         parser.error("--url is required (or --scenario seed)")

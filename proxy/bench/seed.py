@@ -32,11 +32,11 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
-from . import bench_archive as archive_mod
-from . import config as config_mod
-from . import doctor_metrics as pm
-from .bench_prompts import Lengths, PromptSet, PromptSpec, load_tokenizer, words
-from .bench_stats import fmt, reduction
+from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer, words
+from prefixgate.proxy.bench.stats import fmt, reduction
 
 
 @dataclass
@@ -207,10 +207,10 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
                     launcher=None, offset: int = 0) -> dict:
     """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
     put a gateway with the stage's plugins in front, measure, stop everything."""
-    from .app import Gateway
-    from .bench import client_session, measure, request_body
-    from .bundled import BundledEngines
-    from .server import start_app
+    from prefixgate.proxy.app import Gateway
+    from prefixgate.proxy.bench.cli import client_session, measure, request_body
+    from prefixgate.proxy.bundled import BundledEngines
+    from prefixgate.proxy.server import start_app
 
     engines = (launcher or BundledEngines)({
         "model": "demo", "instances": w.engines, "host": "127.0.0.1",
@@ -266,8 +266,8 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
 def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dict:
     """A stage's archive cell: latencies over the pooled samples of its rounds, throughput
     as the mean of the rounds' (each round has its own clock), engine/route stats summed."""
-    from .bench import cell_record
-    from .bench_stats import summarize
+    from prefixgate.proxy.bench.cli import cell_record
+    from prefixgate.proxy.bench.stats import summarize
 
     samples = [s for run in runs for s in run["samples"]]
     cell = cell_record(stage.name, {"stage": asdict(stage), "engine_args": stage.engine_args(w),

@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 import json
 
-from prefixgate.plugins.normalize import SPEC, Normalizer
+from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.proxy.config import check
 
-from .doctor_checks import FIX_DYNAMIC, SHAREABLE_LOW, Finding
+from prefixgate.proxy.doctor.checks import FIX_DYNAMIC, SHAREABLE_LOW, Finding
 
 
 def normalizer() -> Normalizer:

@@ -15,7 +15,7 @@ Reported per policy: token cache hit rate and its ratio to an infinite cache sha
 backends (the oracle), TTFT p50/p95/p99, load imbalance (max/mean over backends of requests
 served and of prefill busy time), and the routing decision's cost.
 
-    python -m prefixgate.plugins.fleet_sim --backends 8 --requests 100000
+    python -m prefixgate.plugins.sim.fleet_sim --backends 8 --requests 100000
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import validate
 from prefixgate.proxy.context import RequestContext
 
-from .fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
 
 POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware")
 
@@ -287,7 +287,7 @@ def rate_for(load: float, backends: int, cost: CostModel, trace: TraceConfig) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.fleet_sim",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.sim.fleet_sim",
                                 description="Simulate a fleet of prefix-caching backends "
                                             "under the gateway's routing policies")
     p.add_argument("--backends", type=int, default=8)

@@ -1,7 +1,7 @@
 """Benchmarks for prefix-stable prompts: normalize cost, prerender cache, TTFT end to end.
 
-    python -m prefixgate.plugins.bench_prompts                 # all three
-    python -m prefixgate.plugins.bench_prompts --skip-ttft --json out.json
+    python -m prefixgate.plugins.sim.prompt_bench                 # all three
+    python -m prefixgate.plugins.sim.prompt_bench --skip-ttft --json out.json
 
 1. normalize: per-request cost of the plugin on a 2k- and a 10k-token system prompt whose head
    carries a timestamp and a request id (new values every request: no text-cache help), and
@@ -244,7 +244,7 @@ async def bench_ttft(model_dir, tokenizer, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.bench_prompts",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.sim.prompt_bench",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=200, help="requests per normalize/prerender case")
     p.add_argument("--ttft-n", type=int, default=6, help="requests per TTFT phase")

@@ -1,6 +1,6 @@
 """Soak: stream through `prefixgate serve` for minutes and prove nothing is lost or leaked.
 
-    python -m prefixgate.proxy.soak --minutes 10 --concurrency 64
+    python -m prefixgate.proxy.bench.soak --minutes 10 --concurrency 64
 
 The gateway and the stand-in upstreams each run in their own process (so the gateway's RSS
 and open file descriptors are its own). Every request asks for a random number of tokens
@@ -29,7 +29,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from .standin import Behaviour, StandIn, _chunk, _prompt_len
+from prefixgate.proxy.testing.standin import Behaviour, StandIn, _chunk, _prompt_len
 
 
 # --- child processes -------------------------------------------------------------------------
@@ -179,7 +179,7 @@ async def soak(args) -> dict:
     try:
         standins = []
         for _ in range(args.upstreams):
-            proc, url = await spawn(["-m", "prefixgate.proxy.soak", "--standin-worker"],
+            proc, url = await spawn(["-m", "prefixgate.proxy.bench.soak", "--standin-worker"],
                                     r"standin on (http://\S+)")
             children.append(proc)
             standins.append(url)
@@ -260,7 +260,7 @@ async def soak(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seconds", type=float, help="run time in seconds (overrides --minutes)")

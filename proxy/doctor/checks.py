@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import doctor_metrics as pm
-from .doctor_trace import Trace
+from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor.trace import Trace
 
 MIN_EVENTS = 4              # content events needed to judge the arrival pattern
 BURST_READS = 2             # ... all of them in this few reads means someone buffered

@@ -8,7 +8,7 @@ With `prefix_cache` set it also models prefill: `prefill_per_token` seconds per 
 (4 characters) that its block-chained prefix cache does not hold (none, when False), and
 vLLM's prefix-cache counters in /metrics; `prefixgate doctor` and the bench tests use it.
 
-    python -m prefixgate.proxy.standin --port 8001 --tokens 16 --gap 0.01
+    python -m prefixgate.proxy.testing.standin --port 8001 --tokens 16 --gap 0.01
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .server import start_app
+from prefixgate.proxy.server import start_app
 
 
 @dataclass
@@ -229,7 +229,7 @@ def _prompt_len(body: dict) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.standin",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.testing.standin",
                                 description="Stand-in OpenAI-compatible SSE upstream")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
