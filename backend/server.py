@@ -28,7 +28,7 @@ from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.proxy.errors import HTTPError
-from prefixgate.proxy.server import start_app
+from prefixgate.proxy.server import json_errors_middleware, parse_json_object, run_on_uvloop, start_app
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -296,30 +296,12 @@ def _flatten_content(message: dict) -> dict:
 
 
 async def _json_body(request: web.Request) -> dict:
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
-    return body
+    return parse_json_object(await request.read())
 
 
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except HTTPError as e:
-        return e.response()
-    except web.HTTPException as e:     # 404/405 from the router, in OpenAI's shape too
-        if e.status < 400:
-            raise
-        return HTTPError(e.status, e.reason).response()
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as e:
-        log.exception("request failed")
-        return HTTPError(500, f"internal error: {e}", code="internal_error").response()
+# 404/405 from the router come out in OpenAI's shape too; a client that hung up is not an error
+_errors = json_errors_middleware(passthrough=(ConnectionResetError,),
+                                 internal_message=lambda e: f"internal error: {e}", logger=log)
 
 
 # --- starting it -----------------------------------------------------------------------------
@@ -420,12 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        runner(_serve_forever(argv))
+        run_on_uvloop(_serve_forever(argv))
     except KeyboardInterrupt:
         pass
     except (FileNotFoundError, ValueError, OSError, WeightError) as e:   # bad model dir, flags or weights

@@ -9,9 +9,9 @@ or `long_prompt_chars` (request body size otherwise) goes to the long lane, whic
 at most `long_max_inflight` slots. Freed slots go to waiting short requests first, so a
 short request never waits behind a long one — the point of the gateway is TTFT.
 
-When a waiter is granted a slot its upstream is re-checked: if the one picked before it
-queued is gone (reload, discovery), ejected or full, the router picks again among the
-upstreams with room.
+A request is routed once, before it queues (`proxy/route.py`), and waits for a slot on the
+upstream it was routed to. Only when that upstream leaves while the request waits (a reload,
+discovery, an ejection) is it routed again.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixgate.proxy.config import Key, non_negative, positive
+from prefixgate.proxy.spec import Key, non_negative, positive
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.plugin import Plugin
+from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.admission")
 
@@ -62,26 +63,28 @@ class Admission(Plugin):
         self.held: dict = {}                  # Upstream -> slots held
         self.total = 0
         self.long_total = 0
-        self.queues = {False: [], True: []}   # lane (is long) -> heap of Waiters
+        # lane (is long) -> upstream -> heap of the Waiters routed to it
+        self.queues: dict[bool, dict] = {False: {}, True: {}}
         self.waiting = 0
         self.rejected = {"queue_full": 0, "timeout": 0}
         self._seq = itertools.count()
         self._ticker: asyncio.Task | None = None
         gw.registry.register(_AdmissionCollector(self))
 
-    # --- lifecycle: a slow tick notices capacity that appears without a release ------------
+    # --- lifecycle: a slow tick notices upstreams that left and capacity that appears
+    # without a release (a reload raising max_inflight) ------------------------------------
     async def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
+        await cancel_and_wait(self._ticker)
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             if self.waiting:
                 try:
+                    self._reroute_departed()
                     self._dispatch()
                 except Exception:      # keep ticking: waiters depend on it
                     log.exception("admission dispatch failed")
@@ -110,8 +113,7 @@ class Admission(Plugin):
         long = self._is_long(ctx)
         w = Waiter((-self._priority(ctx), next(self._seq)), ctx, long,
                    asyncio.get_running_loop().create_future())
-        heapq.heappush(self.queues[long], w)
-        self.waiting += 1
+        self._enqueue(w)
         self._dispatch()
         if w.fut.done():
             return
@@ -140,46 +142,61 @@ class Admission(Plugin):
 
     # --- queue -----------------------------------------------------------------------------
     def _try_now(self, ctx) -> bool:
-        """With a full queue, a request may still go if a slot is free right now."""
+        """With a full queue, a request may still go if its upstream has a slot right now."""
         long = self._is_long(ctx)
-        if self.queues[long] or not self._lane_has_room(long):
-            return False
-        up = self._upstream_for(ctx)
-        if up is None:
+        up = ctx.upstream
+        if self.queues[long].get(up) or not self._lane_has_room(long) or not self.room(up):
             return False
         self._grant(ctx, up, long)
         return True
 
+    def _enqueue(self, w: Waiter) -> None:
+        up = w.ctx.upstream
+        heapq.heappush(self.queues[w.long].setdefault(up, []), w)
+        up.waiting += 1
+        self.waiting += 1
+
     def _dispatch(self) -> None:
-        for long in (False, True):                # short lane first, always
-            queue = self.queues[long]
-            while queue and self._lane_has_room(long):
-                w = queue[0]
-                if w.dead or w.fut.done():        # gone; its admit() does the counting
-                    heapq.heappop(queue)
-                    continue
-                up = self._upstream_for(w.ctx)
-                if up is None:
-                    return                         # no upstream has room: nobody can go
-                heapq.heappop(queue)
+        """Grant slots, short lane first, best waiter first among upstreams with room."""
+        for long in (False, True):
+            by_upstream = self.queues[long]
+            while by_upstream and self._lane_has_room(long):
+                best = None
+                for up, heap in list(by_upstream.items()):
+                    while heap and (heap[0].dead or heap[0].fut.done()):
+                        heapq.heappop(heap)      # gone; its admit() did the counting
+                    if not heap:
+                        del by_upstream[up]
+                    elif self.room(up) and (best is None or heap[0] < best[0]):
+                        best = heap
+                if best is None:
+                    break                        # every waiter's upstream is full
+                w = heapq.heappop(best)
+                w.ctx.upstream.waiting -= 1
                 self.waiting -= 1
-                self._grant(w.ctx, up, long)
+                self._grant(w.ctx, w.ctx.upstream, long)
                 w.fut.set_result(None)
+
+    def _reroute_departed(self) -> None:
+        """Route again the waiters whose upstream left the set or was ejected."""
+        present = set(self.gw.upstreams)
+        for by_upstream in self.queues.values():
+            for up in [u for u in by_upstream if not (u.healthy and u in present)]:
+                for w in by_upstream.pop(up):
+                    if w.dead or w.fut.done():
+                        continue
+                    up.waiting -= 1
+                    self.waiting -= 1
+                    try:
+                        w.ctx.upstream = self.gw.decide(w.ctx)
+                    except HTTPError:
+                        w.ctx.upstream = up      # nowhere to go: it waits (and times out)
+                    self._enqueue(w)
 
     def _lane_has_room(self, long: bool) -> bool:
         if self.total >= self.global_cap():
             return False
         return not long or self.long_total < self.long_cap()
-
-    def _upstream_for(self, ctx):
-        """The upstream picked earlier if it is still usable, else a fresh pick with room."""
-        up = ctx.upstream
-        if up is not None and up.healthy and up in self.gw.upstreams and self.room(up):
-            return up
-        try:
-            return self.gw.pick(ctx, room=self.room)
-        except HTTPError:
-            return None
 
     def _grant(self, ctx, up, long: bool) -> None:
         ctx.upstream = up
@@ -193,6 +210,7 @@ class Admission(Plugin):
         if w.fut.done() and not w.fut.cancelled():
             return False                  # granted: on_finish will release the slot
         w.dead = True
+        w.ctx.upstream.waiting -= 1
         self.waiting -= 1
         return True
 
@@ -243,7 +261,8 @@ class _AdmissionCollector:
         waiting = GaugeMetricFamily("prefixgate_admission_waiting", "Requests waiting for a "
                                     "slot, by lane", labels=["lane"])
         for long, name in ((False, "short"), (True, "long")):
-            waiting.add_metric([name], sum(not w.dead for w in self.p.queues[long]))
+            waiting.add_metric([name], sum(not w.dead for heap in self.p.queues[long].values()
+                                           for w in heap))
         held = GaugeMetricFamily("prefixgate_admission_slots", "Slots held, by lane",
                                  labels=["lane"])
         held.add_metric(["short"], self.p.total - self.p.long_total)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from prefixgate.proxy.config import Key, positive
+from prefixgate.proxy.spec import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
 
@@ -22,9 +22,10 @@ class RoundRobin(Plugin):
 
 
 class LeastInflight(Plugin):
-    """Prefer the upstream with the most free capacity: 1 - inflight / max_inflight."""
+    """Prefer the upstream with the most free capacity: 1 - (inflight + waiting) / max_inflight
+    (requests queued for an upstream count: when every one is full, the shortest queue wins)."""
     name = "least_inflight"
     spec = {"weight": Key((int, float), 1.0, positive)}
 
     def score(self, ctx, upstreams):
-        return {u: 1.0 - min(u.inflight / u.max_inflight, 1.0) for u in upstreams}
+        return {u: 1.0 - (u.inflight + u.waiting) / u.max_inflight for u in upstreams}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from prefixgate.proxy.config import Key, positive
+from prefixgate.proxy.spec import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
 # TTFT spans a cached 5 ms hit to a queued 60 s long-context prefill

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections import OrderedDict
 
 import xxhash
+
+from prefixgate.proxy.lru import LRU
 
 ROOT_HASH = 0                      # parent of a token chain's first block (as in the engine)
 TEXT_ROOT = 0x7072_6566_6978_7478  # parent of a text chain's first block: never equal to a token chain
@@ -123,22 +124,18 @@ class DynamicSpans:
     def __init__(self, cache_size: int = 1024):
         from prefixgate.plugins.normalize.detectors import Detector, code_spans, tokens
         self._detector, self._code_spans, self._tokens = Detector(), code_spans, tokens
-        self._cache: OrderedDict[int, int] = OrderedDict()
-        self._size = cache_size
+        self._cache: LRU[int, int] = LRU(cache_size)
 
     def first(self, text: str) -> int:
         """Offset of the first dynamic value in `text`, or -1."""
         key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
         hit = self._cache.get(key)
         if hit is not None:
-            self._cache.move_to_end(key)
             return hit
         code = self._code_spans(text)
         found = self._detector.find(text, self._tokens(text, code), code)
         offset = found[0].start if found else -1
-        self._cache[key] = offset
-        if len(self._cache) > self._size:
-            self._cache.popitem(last=False)
+        self._cache.put(key, offset)
         return offset
 
 

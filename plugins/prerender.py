@@ -3,7 +3,7 @@
 With `model.tokenizer` configured, every chat request is rendered with the model's own chat
 template (`prefixgate.backend.tokenizer`, jinja2 sandbox, HF semantics) and tokenized, so the
 router can key on the exact token blocks the engine's prefix cache will see
-(`ctx.tokens`, `ctx.block_hashes`).
+(`ctx.tokens`, `ctx.block_hashes`, `ctx.block_tokens`).
 
 Tokenizing a 10k-token system prompt on every request would cost milliseconds, so the static
 prefix — the leading system messages and the tools — is rendered and tokenized once and
@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import xxhash
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 
-from prefixgate.proxy.config import ConfigError, Key, positive, non_negative
+from prefixgate.proxy.spec import ConfigError, Key, positive, non_negative
+from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
@@ -99,7 +99,7 @@ class PromptCache:
         self.max_entries = max_entries
         self.specials = special_strings(tokenizer)
         self.encode = gil_free_encoder(tokenizer)
-        self.entries: OrderedDict[int, Prefix] = OrderedDict()
+        self.entries: LRU[int, Prefix] = LRU(max_entries)
 
     @staticmethod
     def prefix_len(messages: list) -> int:
@@ -133,7 +133,7 @@ class PromptCache:
         if n == 0 and not tools:
             return 0, None, None
         key = self.key(messages, n, tools, kwargs or {})
-        return n, key, self.entries.get(key)
+        return n, key, self.entries.peek(key)     # render() touches a hit's recency
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = True,
                kwargs: dict | None = None, looked=None) -> Rendered:
@@ -177,9 +177,7 @@ class PromptCache:
                 entry = Prefix(text, ids, whole.block_hashes[:nb])
         if not entry.text:
             whole.cache = "unsplittable"
-        self.entries[key] = entry
-        if len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        self.entries.put(key, entry)
         return whole
 
     def _prefix_text(self, prefix_msgs: list, tools, kwargs) -> str:
@@ -204,7 +202,7 @@ class Prerender(Plugin):
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
         from prefixgate.backend.tokenizer import Tokenizer, TokenizerLoadError
-        path = (getattr(gw, "config", None) or {}).get("model", {}).get("tokenizer")
+        path = gw.config["model"]["tokenizer"]
         if not path:
             raise ConfigError("", "needs `model.tokenizer` (a directory with tokenizer.json)")
         try:
@@ -212,7 +210,7 @@ class Prerender(Plugin):
         except TokenizerLoadError as e:
             raise ConfigError("", f"model.tokenizer: {e}") from None
         self.cache = PromptCache(tok, self.cfg["block_tokens"], self.cfg["cache_entries"])
-        reg = getattr(gw, "registry", None) or CollectorRegistry()
+        reg = gw.registry
         self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
                                "lookups by result (hit, miss, unsplittable, none, error)", ["result"],
                                registry=reg)
@@ -228,6 +226,7 @@ class Prerender(Plugin):
                 self.lookups.labels("error").inc()
                 return
             ctx.tokens, ctx.block_hashes = r.tokens, r.block_hashes
+            ctx.block_tokens = self.cache.block_tokens
             self.lookups.labels(r.cache).inc()
             return
         ids = prompt_token_ids(body)
@@ -237,6 +236,7 @@ class Prerender(Plugin):
         if ids is not None:
             ctx.tokens = ids
             ctx.block_hashes = block_hash_chain(ids, self.cache.block_tokens)
+            ctx.block_tokens = self.cache.block_tokens
 
     async def _render_chat(self, ctx, body, messages) -> Rendered | None:
         """The rendered request, or None when our rendering of it fails: the backend is the

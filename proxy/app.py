@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import uuid
 
 import aiohttp
@@ -14,14 +13,15 @@ from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_L
 
 from prefixgate.proxy import guard
 from prefixgate.proxy import h1pool
-from prefixgate.proxy import plugin as plugins
+from prefixgate.proxy import reload, route
 from prefixgate.proxy import token_forward
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.discovery import Discovery
 from prefixgate.proxy.health import Health
-from prefixgate.proxy.reload import TrackingRegistry, build_chain
+from prefixgate.proxy.chain import TrackingRegistry, build_chain
+from prefixgate.proxy.server import json_errors_middleware, parse_json_object
 from prefixgate.proxy.upstream import Upstream
 
 log = logging.getLogger("prefixgate")
@@ -63,6 +63,8 @@ class Gateway:
         self.health = Health(config["health"], self)
         self.discovery = Discovery(config.get("discovery"), self)
         self.auth = Auth(config["auth"])
+        self.plugin_owned: dict = {}        # plugin -> (its collectors, its connect hooks)
+        self.plugin_keys: list = []         # [(config key, plugin)] in chain order
         self.chain = build_chain(self, config["plugins"])
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -110,7 +112,7 @@ class Gateway:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config["limits"]["max_body_bytes"],
-                              middlewares=[self._errors_middleware])
+                              middlewares=[self._errors_middleware()])
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.handle_completion)
         app.router.add_get("/v1/models", self.handle_models)
@@ -129,7 +131,7 @@ class Gateway:
 
     def make_admin_app(self) -> web.Application:
         """/metrics and /health for `admin_listen:` (kept off the public address)."""
-        app = web.Application(middlewares=[self._errors_middleware])
+        app = web.Application(middlewares=[self._errors_middleware()])
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/health", self.handle_health_detail)
         return app
@@ -147,57 +149,28 @@ class Gateway:
 
     async def reload(self, cfg: dict) -> None:
         """Apply a new validated config; in-flight requests finish on what they started with."""
-        from prefixgate.proxy.reload import apply
-        await apply(self, cfg)
+        await reload.apply(self, cfg)
 
     # --- errors ----------------------------------------------------------------------------
-    @web.middleware
-    async def _errors_middleware(self, request, handler):
-        try:
-            return await handler(request)
-        except HTTPError as e:
-            return e.response()
-        except web.HTTPException as e:     # aiohttp's own: 404, 405, 413 ...
-            if e.status < 400:
-                raise
-            reason = {413: f"request body exceeds limits.max_body_bytes "
-                           f"({self.config['limits']['max_body_bytes']} bytes)",
-                      404: f"no route for {request.method} {request.path}",
-                      405: f"method {request.method} not allowed on {request.path}"}
-            return HTTPError(e.status, reason.get(e.status, e.reason)).response()
-        except (asyncio.CancelledError, ClientGone):
-            raise
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return HTTPError(500, "internal gateway error", code="internal_error").response()
+    def _error_reason(self, request: web.Request, status: int) -> str | None:
+        """Messages for aiohttp's own errors (the router's 404/405, the body limit's 413)."""
+        if status == 413:
+            return (f"request body exceeds limits.max_body_bytes "
+                    f"({self.config['limits']['max_body_bytes']} bytes)")
+        if status == 404:
+            return f"no route for {request.method} {request.path}"
+        if status == 405:
+            return f"method {request.method} not allowed on {request.path}"
+        return None
+
+    def _errors_middleware(self):
+        return json_errors_middleware(self._error_reason, passthrough=(ClientGone,),
+                                      internal_message="internal gateway error", logger=log)
 
     # --- routing ---------------------------------------------------------------------------
-    def pick(self, ctx: RequestContext, tried: list[Upstream] = (), room=None) -> Upstream:
-        """The best healthy upstream by the weighted sum of the scorers' scores.
-
-        `room(upstream)` overrides the max_inflight check (admission counts its own slots);
-        with an admission plugin in the chain a full set of upstreams is not refused here:
-        the request queues in admit() instead.
-        """
-        healthy = [u for u in self.upstreams if u.healthy]
-        if not healthy:
-            raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
-                            headers={"Retry-After": "1"})
-        cands = [u for u in healthy if u not in tried] or healthy
-        free = [u for u in cands if (room(u) if room else u.inflight < u.max_inflight)]
-        if not free and room is None and self.chain.admit:
-            free = cands
-        if not free:
-            raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
-                            headers={"Retry-After": "1"})
-        if len(free) == 1:
-            return free[0]
-        totals = dict.fromkeys(free, 0.0)
-        for scorer in self.chain.scorers:
-            for up, score in scorer.score(ctx, free).items():
-                totals[up] += scorer.weight * score
-        best = max(totals.values())
-        return random.choice([u for u, s in totals.items() if s == best])
+    def decide(self, ctx: RequestContext, tried: list[Upstream] = ()) -> Upstream:
+        """One routing decision for this attempt, on the chain the request is pinned to."""
+        return route.decide(self.upstreams, ctx.chain or self.chain, ctx, tried)
 
     # --- handlers --------------------------------------------------------------------------
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
@@ -206,14 +179,14 @@ class Gateway:
                              path=request.match_info.route.resource.canonical, body={},
                              headers=request.headers)
         ctx.stamp("received")
-        chain = ctx.state["chain"] = self.chain     # a reload does not change it mid-request
+        chain = ctx.chain = self.chain     # a reload does not change it mid-request
         chain.active += 1
         error: BaseException | None = None
         try:
             self._authenticate(ctx)
             limits = self.config["limits"]
             ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
-            ctx.body = parse_body(ctx.raw_body)
+            ctx.body = parse_json_object(ctx.raw_body)
             guard.check_depth(ctx.body, limits["max_json_depth"])
             if limits["validate_fields"]:
                 guard.check_fields(ctx.path, ctx.body)
@@ -222,7 +195,7 @@ class Gateway:
             for hook in chain.on_request:
                 await hook(ctx)
             ctx.stamp("plugins_done")
-            ctx.upstream = self.pick(ctx)
+            ctx.upstream = self.decide(ctx)
             for hook in chain.admit:
                 await hook(ctx)
             ctx.stamp("admitted")
@@ -254,9 +227,8 @@ class Gateway:
     def _authenticate(self, ctx: RequestContext) -> None:
         key = self.auth.identify(ctx.headers)
         if key is not None:
-            ctx.api_key = key.name
+            ctx.key = key
             ctx.priority = key.priority or 0
-            ctx.state["gateway.key"] = key
             self.auth.limit(key)
 
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -274,7 +246,7 @@ class Gateway:
                 if ctx.attempts > self.retries:
                     raise failed from None
                 try:
-                    ctx.upstream = self.pick(ctx, tried)
+                    ctx.upstream = self.decide(ctx, tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
 
@@ -345,7 +317,7 @@ class Gateway:
         if as_tokens and upstream_resp.status == 200:
             body = encode_body(token_forward.completion_to_chat(json.loads(body)))
         ctx.stamp("first_byte")
-        for hook in ctx.state["chain"].on_first_byte:
+        for hook in ctx.chain.on_first_byte:
             hook(ctx)
         ctx.status = upstream_resp.status
         return web.Response(status=upstream_resp.status, body=body,
@@ -359,7 +331,7 @@ class Gateway:
         resp = EventStreamResponse(status=upstream_resp.status,
                                    headers=self._response_headers(ctx, upstream_resp))
         ctx.status = upstream_resp.status
-        chain = ctx.state["chain"]
+        chain = ctx.chain
         on_chunk = chain.on_chunk
         idle = up.timeouts["idle"]
         try:
@@ -398,7 +370,7 @@ class Gateway:
     # --- headers ---------------------------------------------------------------------------
     def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> list[tuple[str, str]]:
         replaced = up.replaced_headers                # set below, or by the upstream's config
-        key = ctx.state.get("gateway.key")
+        key = ctx.key
         if not self.auth.forward:          # a key for the gateway is not one for the backend
             replaced = replaced | {"authorization"}
         if key is not None and key.upstream_headers:
@@ -469,18 +441,6 @@ class Gateway:
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise HTTPError(400, "request JSON is nested too deeply", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
-    return body
 
 
 def encode_body(body: dict) -> bytes:

@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from prefixgate.proxy.config import ConfigError, Key, check, positive
+from prefixgate.proxy.spec import ConfigError, Key, check, positive
 from prefixgate.proxy.errors import HTTPError
 
 RATE = {

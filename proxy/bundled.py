@@ -4,11 +4,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-import time
 
-import aiohttp
-
-from prefixgate.proxy.config import check_upstreams
+from prefixgate.proxy.server import wait_ready
+from prefixgate.proxy.upstream import check_upstreams
 
 
 def free_port(host: str) -> int:
@@ -37,24 +35,10 @@ class BundledEngines:
             cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
                    "--host", self.cfg["host"], "--port", str(port), *map(str, self.cfg["args"])]
             self.procs.append(await asyncio.create_subprocess_exec(*cmd))
-        await asyncio.gather(*(self._wait_ready(p, u) for p, u in zip(self.procs, self.urls)))
-
-    async def _wait_ready(self, proc, url: str) -> None:
-        deadline = time.monotonic() + self.cfg["startup_timeout_s"]
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if proc.returncode is not None:
-                    raise RuntimeError(f"bundled engine at {url} exited with {proc.returncode}")
-                try:
-                    async with session.get(url + "/health",
-                                           timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-                await asyncio.sleep(0.25)
-        raise RuntimeError(f"bundled engine at {url} not ready after "
-                           f"{self.cfg['startup_timeout_s']}s")
+        await asyncio.gather(*(
+            wait_ready(url, "/health", self.cfg["startup_timeout_s"], proc,
+                       what=f"bundled engine at {url}", interval=0.25)
+            for proc, url in zip(self.procs, self.urls)))
 
     async def stop(self) -> None:
         for proc in self.procs:

@@ -9,8 +9,11 @@ import logging
 import signal
 import sys
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 from prefixgate.proxy import config as config_mod
-from prefixgate.proxy.config import ConfigError
+from prefixgate.proxy.server import install_uvloop, start_app
+from prefixgate.proxy.spec import ConfigError
 
 # subcommands implemented elsewhere: name -> module whose main(argv) -> int runs it
 DELEGATED = {
@@ -72,11 +75,7 @@ def serve_command(args) -> int:
     except ConfigError as e:
         print(f"prefixgate: config error: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     try:
         asyncio.run(serve(cfg, reload_config=lambda: load_config(args)))
     except ConfigError as e:        # plugin settings are checked when the chain is built
@@ -92,7 +91,6 @@ async def serve(cfg: dict, reload_config=None) -> None:
     """Run until SIGINT/SIGTERM; SIGHUP re-reads the config through `reload_config()`."""
     from prefixgate.proxy.app import Gateway
     from prefixgate.proxy.bundled import BundledEngines
-    from prefixgate.proxy.server import start_app
 
     engines = None
     if cfg["bundled"] is not None:
@@ -138,7 +136,6 @@ async def serve(cfg: dict, reload_config=None) -> None:
 def not_a_client_error(record: logging.LogRecord) -> bool:
     """Drop aiohttp's traceback for a malformed request (answered 400): a client's mistake
     must not flood the gateway's log."""
-    from aiohttp.http_exceptions import HttpProcessingError
     exc = record.exc_info[1] if record.exc_info else None
     return not isinstance(exc, HttpProcessingError)
 

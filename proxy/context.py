@@ -1,4 +1,5 @@
-"""Per-request state that flows through the plugin chain."""
+"""Per-request state that flows through the plugin chain: every field a plugin or the core
+reads is named here, so plugins meet through these fields and never look each other up."""
 from __future__ import annotations
 
 import time
@@ -9,12 +10,13 @@ from typing import Any
 @dataclass(eq=False, slots=True)
 class RequestContext:
     request_id: str
-    path: str                                  # "/v1/chat/completions" or "/v1/completions"
+    path: str                                  # the endpoint's route, e.g. "/v1/chat/completions"
     body: dict                                 # parsed JSON; plugins may mutate it
     headers: Any                               # the client's request headers (CIMultiDictProxy)
     raw_body: bytes = b""                      # forwarded as-is unless body_changed
     body_changed: bool = False                 # set by a plugin that mutates `body`
-    api_key: str | None = None
+    chain: Any = None                          # the plugin chain, pinned for the request's life
+    key: Any = None                            # the authenticated proxy.auth.ApiKey, if any
     stream: bool = False
     priority: int = 0
     # monotonic stamps: received, parsed, plugins_done, admitted, upstream_sent, first_byte, done
@@ -22,13 +24,15 @@ class RequestContext:
     upstream: Any = None                       # the chosen proxy.upstream.Upstream
     route_info: dict = field(default_factory=dict)   # why it was chosen (scores, matched blocks)
     tokens: list[int] | None = None            # prompt token ids, when a tokenizer is configured
-    block_hashes: list[int] | None = None      # prefix hash chain for routing
+    block_hashes: list[int] | None = None      # prefix hash chain for routing ...
+    block_tokens: int | None = None            # ... over blocks of this many tokens
+    normalized: bool = False                   # `normalize` rewrote the body to canonical form
     moved: list = field(default_factory=list)  # what normalization moved
     response_headers: dict[str, str] = field(default_factory=dict)  # added by plugins
     status: int | None = None                  # status sent to the client
     chunks: int = 0                            # SSE data events seen (≈ tokens) for TPOT
     attempts: int = 0                          # upstreams tried
-    state: dict = field(default_factory=dict)  # per-plugin scratch space, keyed by plugin name
+    state: dict = field(default_factory=dict)  # a plugin's private data, keyed by its name
 
     def stamp(self, name: str) -> float:
         now = time.monotonic()

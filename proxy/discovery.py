@@ -23,8 +23,9 @@ import logging
 import socket
 from typing import Awaitable, Callable
 
-from prefixgate.proxy.config import UPSTREAM, ConfigError, Key, check, one_of, positive
 from prefixgate.proxy.server import cancel_and_wait
+from prefixgate.proxy.spec import ConfigError, Key, check, one_of, positive
+from prefixgate.proxy.upstream import UPSTREAM
 
 log = logging.getLogger("prefixgate.discovery")
 

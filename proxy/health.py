@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixgate.proxy.config import Key, non_negative, positive
+from prefixgate.proxy.spec import Key, non_negative, positive
 from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.health")

@@ -1,99 +1,29 @@
-"""Building the plugin chain, and swapping it (with upstreams and settings) on a reload.
+"""Swapping the plugin chain (with upstreams and settings) on a reload.
 
 A reload keeps every plugin whose settings did not change (its state — prefix tables, rate
 counters — survives) and builds only the changed ones. Plugins register Prometheus metrics
 and connect hooks on the gateway, so each plugin's registrations are recorded: a new
 registry then carries over the kept plugins' collectors and the changed ones' replacements
 without "duplicated timeseries" clashes. Requests already running hold the chain they
-started with (`ctx.state["chain"]`); plugins dropped by a reload are closed once those finish.
+started with (`ctx.chain`); plugins dropped by a reload are closed once those finish.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
-from prometheus_client import CollectorRegistry
 
-from prefixgate.proxy import plugin as plugins
-from prefixgate.proxy.config import ConfigError
+from prefixgate.proxy.chain import TrackingRegistry, build_chain
+from prefixgate.proxy.auth import Auth
 
 log = logging.getLogger("prefixgate.reload")
 
 
-class TrackingRegistry(CollectorRegistry):
-    """A registry that remembers who registered what: `base` (the gateway) or `recording`."""
-
-    def __init__(self):
-        super().__init__()
-        self.base: list = []
-        self.recording: list | None = None
-
-    def register(self, collector) -> None:
-        super().register(collector)
-        (self.recording if self.recording is not None else self.base).append(collector)
-
-
-def _key(item) -> str:
-    return json.dumps(item, sort_keys=True, default=str)
-
-
-def _owned(gw) -> dict:
-    if not hasattr(gw, "_plugin_owned"):
-        gw._plugin_owned = {}       # plugin -> (collectors, connect hooks)
-        gw._plugin_keys = []        # [(config key, plugin)] in chain order
-    return gw._plugin_owned
-
-
-def build_chain(gw, items: list, reuse: dict | None = None) -> plugins.Chain:
-    """The chain for `items`; plugins in `reuse` ({key: [plugin]}) are kept as they are."""
-    owned = _owned(gw)
-    entries = []
-    for i, item in enumerate([*items, "round_robin"]):
-        if i == len(items) and any(hasattr(p, "score") for _, p in entries):
-            break               # the fallback router only when no scorer is configured
-        key = _key(item)
-        kept = (reuse or {}).get(key)
-        if kept:
-            p = kept.pop(0)
-            cols, hooks = owned[p]
-            gw.registry.recording = []        # still the plugin's, not the gateway's
-            try:
-                for c in cols:
-                    gw.registry.register(c)
-            finally:
-                gw.registry.recording = None
-            gw.on_connect.extend(hooks)
-        else:
-            p = _build_one(gw, i, item)
-        entries.append((key, p))
-    gw._plugin_keys = entries
-    chain = plugins.Chain([p for _, p in entries])
-    chain.active = 0            # requests running on this chain
-    return chain
-
-
-def _build_one(gw, i: int, item):
-    name, cfg = (item, {}) if isinstance(item, str) else next(iter(item.items()))
-    registry = gw.registry
-    registry.recording = cols = []
-    n_hooks = len(gw.on_connect)
-    try:
-        p = plugins.resolve(name)(cfg or {}, gw)
-    except ConfigError as e:
-        raise e.under(f"plugins[{i}].{name}") from None
-    finally:
-        registry.recording = None
-    _owned(gw)[p] = (cols, gw.on_connect[n_hooks:])
-    return p
-
-
 async def apply(gw, cfg: dict) -> None:
     """Switch `gw` to the validated config `cfg`, or raise ConfigError and change nothing."""
-    from prefixgate.proxy.auth import Auth
-    owned = _owned(gw)
+    owned = gw.plugin_owned
     old_chain, old_registry, old_hooks = gw.chain, gw.registry, list(gw.on_connect)
-    old_entries = list(gw._plugin_keys)
+    old_entries = list(gw.plugin_keys)
     new_auth = Auth(cfg["auth"], old=gw.auth)
     plugin_hooks = {id(h) for _, hooks in owned.values() for h in hooks}
     reuse: dict = {}
@@ -109,10 +39,10 @@ async def apply(gw, cfg: dict) -> None:
         chain = build_chain(gw, cfg["plugins"], reuse)
     except Exception:
         gw.registry, gw.on_connect[:] = old_registry, old_hooks
-        gw._plugin_keys = old_entries
+        gw.plugin_keys = old_entries
         raise
-    kept = {id(p) for _, p in gw._plugin_keys}
-    fresh = [p for _, p in gw._plugin_keys if p not in [q for _, q in old_entries]]
+    kept = {id(p) for _, p in gw.plugin_keys}
+    fresh = [p for _, p in gw.plugin_keys if p not in [q for _, q in old_entries]]
     dropped = [p for _, p in old_entries if id(p) not in kept]
 
     for p in fresh:
@@ -156,8 +86,7 @@ async def _apply_upstreams(gw, configs: list[dict]) -> None:
             up.max_inflight = c["max_inflight"]
             up.timeouts = c["timeouts"]
             up.extra_headers = {str(k): str(v) for k, v in c["headers"].items()}
-            if hasattr(up, "replaced_headers"):
-                up.replaced_headers = up.replaced_headers | {k.lower() for k in up.extra_headers}
+            up.replaced_headers = up.replaced_headers | {k.lower() for k in up.extra_headers}
 
 
 def _warn_restart_only(old: dict, new: dict) -> None:
@@ -173,7 +102,7 @@ async def _retire(gw, chain, dropped: list, poll_s: float = 0.1) -> None:
     """Close the plugins a reload dropped once no request runs on their chain."""
     while chain.active:
         await asyncio.sleep(poll_s)
-    owned = _owned(gw)
+    owned = gw.plugin_owned
     for p in dropped:
         owned.pop(p, None)
         if hasattr(p, "close"):

@@ -1,15 +1,39 @@
-"""Start an aiohttp app on a host/port and tell where it listens (shared by every server)."""
+"""What the gateway and the bundled engine's server share: starting an aiohttp app and telling
+where it listens, the event loop, JSON request bodies, OpenAI-shaped errors, readiness."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
+from typing import Callable
 
+import aiohttp
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from prefixgate.proxy.errors import HTTPError
 
 log = logging.getLogger("prefixgate.server")
+
+
+def install_uvloop() -> None:
+    """Make uvloop the event loop of this process's asyncio.run() calls, when it is installed."""
+    try:
+        import uvloop       # optional: not on Windows
+    except ImportError:
+        return
+    uvloop.install()
+
+
+def run_on_uvloop(coro):
+    """asyncio.run(coro) on a uvloop loop when uvloop is installed, leaving the process's
+    event loop policy as it was (the caller may be a test, not a process of its own)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -21,6 +45,75 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         await task
     except asyncio.CancelledError:
         pass
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object; anything else is a 400 naming why."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise HTTPError(400, "request JSON is nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def json_errors_middleware(
+        reasons: Callable[[web.Request, int], str | None] | None = None, *,
+        passthrough: tuple[type[BaseException], ...] = (),
+        internal_message: str | Callable[[Exception], str] = "internal error",
+        logger: logging.Logger = log):
+    """An aiohttp middleware answering every error in OpenAI's JSON shape.
+
+    HTTPError -> its response; aiohttp's own errors (404/405 from the router, 413 ...) -> the
+    same shape, with `reasons(request, status)` as the message when it gives one (else
+    aiohttp's reason); `passthrough` exceptions and cancellation (the client hung up) go on
+    up; anything else is logged and answered 500 with `internal_message` (a string, or a
+    function of the exception), code internal_error.
+    """
+    @web.middleware
+    async def json_errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except HTTPError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            reason = reasons(request, e.status) if reasons is not None else None
+            return HTTPError(e.status, reason or e.reason).response()
+        except asyncio.CancelledError:
+            raise
+        except passthrough:
+            raise
+        except Exception as e:
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            message = internal_message if isinstance(internal_message, str) else internal_message(e)
+            return HTTPError(500, message, code="internal_error").response()
+    return json_errors
+
+
+async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30, proc=None, *,
+                     what: str | None = None, interval: float = 0.1) -> None:
+    """Poll `url + path` until it answers 200; RuntimeError after `timeout` seconds, or as
+    soon as `proc` (an asyncio subprocess serving `url`) has exited. `what` names the server
+    in those errors (default: its URL)."""
+    what = what or url
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.returncode is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            try:
+                async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(interval)
+    raise RuntimeError(f"{what} not ready after {timeout}s")
 
 
 def url_of(host: str, port: int) -> str:

@@ -1,4 +1,4 @@
-"""One backend server and its keep-alive connection pool."""
+"""One backend server and its keep-alive connection pool; the `upstreams:` keys."""
 from __future__ import annotations
 
 from typing import Callable
@@ -6,6 +6,50 @@ from typing import Callable
 import aiohttp
 
 from prefixgate.proxy.h1pool import Pool
+from prefixgate.proxy.spec import ConfigError, Key, check, one_of, positive
+
+TIMEOUTS = {
+    "connect": Key((int, float), 5.0, positive),
+    "first_byte": Key((int, float), 120.0, positive),   # long prompts queue; vLLM can take a while
+    "idle": Key((int, float), 60.0, positive),          # longest gap between two streamed chunks
+}
+
+UPSTREAM = {
+    "name": Key(str, None),
+    "url": Key(str),
+    "max_inflight": Key(int, 256, positive),      # gateway-side cap, also the load denominator
+    "max_connections": Key(int, 256, positive),   # keep-alive pool size
+    "weight": Key((int, float), 1.0, positive),
+    "timeouts": Key(dict, dict, nested=TIMEOUTS),
+    "headers": Key(dict, dict),                   # extra headers sent upstream (e.g. auth)
+    # "tokens": chats that `prerender` tokenized go to /v1/completions as token ids
+    # (backends that accept them: the bundled engine, vLLM); the answer comes back as chat
+    "forward": Key(str, "json", one_of("json", "tokens")),
+}
+
+
+def _check_url(url: str) -> str | None:
+    if not (url.startswith("http://") or url.startswith("https://")):
+        return "must start with http:// or https://"
+    return None
+
+
+def check_upstreams(raw: list, defaults: dict) -> list[dict]:
+    ups, names = [], set()
+    for i, item in enumerate(raw):
+        path = f"upstreams[{i}]"
+        up = check(item, UPSTREAM, path)
+        reason = _check_url(up["url"])
+        if reason:
+            raise ConfigError(f"{path}.url", reason)
+        up["url"] = up["url"].rstrip("/")
+        up["name"] = up["name"] or up["url"].split("://", 1)[1]
+        if up["name"] in names:
+            raise ConfigError(f"{path}.name", f"duplicate upstream name {up['name']!r}")
+        names.add(up["name"])
+        up["timeouts"] = {**defaults, **{k: v for k, v in (item.get("timeouts") or {}).items()}}
+        ups.append(up)
+    return ups
 
 
 class Upstream:
@@ -23,7 +67,8 @@ class Upstream:
         self.max_inflight: int = cfg["max_inflight"]
         self.timeouts: dict = cfg["timeouts"]
         self.extra_headers: dict = {str(k): str(v) for k, v in cfg["headers"].items()}
-        self.inflight = 0
+        self.inflight = 0                   # requests being exchanged with it now
+        self.waiting = 0                    # requests routed to it, queued for a slot
         self.healthy = True
         self.connections_opened = 0
         # called with (upstream, seconds) for each new connection; shared gateway-wide

@@ -17,7 +17,7 @@ from prefixgate.proxy.bench import seed as bench_seed
 from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.stats import percentile
-from prefixgate.proxy.config import check
+from prefixgate.proxy.spec import check
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 

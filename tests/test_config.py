@@ -8,7 +8,7 @@ import pytest
 
 from prefixgate.proxy import config
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import ConfigError
+from prefixgate.proxy.spec import ConfigError
 
 GOOD = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}]}
 

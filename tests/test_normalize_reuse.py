@@ -15,7 +15,7 @@ from prefixgate.plugins.normalize import detectors
 from prefixgate.plugins.normalize.learner import template_key
 from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.plugins.normalize.suffix_reuse import reuse
-from prefixgate.proxy.config import check
+from prefixgate.proxy.spec import check
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "data" / "prompts.yaml").read_text("utf-8"))
 TEXTS = [e["text"] for e in CORPUS["dynamic"] + CORPUS["static"]]

@@ -12,8 +12,9 @@ import pytest
 
 from helpers import assert_openai_error
 
-from prefixgate.proxy.config import ConfigError, validate
+from prefixgate.proxy.config import validate
 from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.spec import ConfigError
 
 FAMILIES = [f"You are assistant number {i}. " + f"Family {i} rules: answer briefly. " * 12
             for i in range(8)]

@@ -12,7 +12,8 @@ from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.prefix_keys import block_hash_chain
 from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import ConfigError, validate
+from prefixgate.proxy.config import validate
+from prefixgate.proxy.spec import ConfigError
 from test_tokenizer import QWEN_STYLE_TEMPLATE
 
 SYSTEM = ("You are a careful assistant for Northwind Cloud.\n  Rules:\n1. Be brief.  \n"

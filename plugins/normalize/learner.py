@@ -13,7 +13,7 @@ at most `max_slots` slots (longer templates are not learned), each slot remember
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from prefixgate.proxy.lru import LRU
 
 
 class Template:
@@ -37,7 +37,7 @@ class Learner:
         self.after = after
         self.max_templates = max_templates
         self.max_slots = max_slots
-        self.templates: OrderedDict[int, Template] = OrderedDict()
+        self.templates: LRU[int, Template] = LRU(max_templates)
 
     def observe(self, key: int, values: list[str]) -> frozenset[int]:
         """Record one request's slot values; return the slots learned to be dynamic."""
@@ -45,11 +45,8 @@ class Learner:
             return frozenset()
         t = self.templates.get(key)
         if t is None:
-            self.templates[key] = Template(values)
-            if len(self.templates) > self.max_templates:
-                self.templates.popitem(last=False)
+            self.templates.put(key, Template(values))
             return frozenset()
-        self.templates.move_to_end(key)
         if values is t.first or len(values) != len(t.first):
             return t.learned
         changed = [i for i, (a, b) in enumerate(zip(t.first, values)) if a != b]
@@ -73,7 +70,7 @@ class Learner:
             t.learned = t.learned | frozenset(new)
 
     def learned(self, key: int) -> frozenset[int]:
-        t = self.templates.get(key)
+        t = self.templates.peek(key)            # a look only: recency is observe()'s
         return t.learned if t is not None else frozenset()
 
     def size(self) -> tuple[int, int]:

@@ -18,12 +18,12 @@ tail, and the model still reads every value exactly once. Detection is typed and
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixgate.proxy.config import ConfigError, Key, one_of, positive, non_negative
+from prefixgate.proxy.spec import ConfigError, Key, one_of, positive, non_negative
+from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
@@ -107,16 +107,15 @@ class Normalizer:
         self.learner = Learner(cfg["learn_after"], cfg["learn_templates"],
                                cfg["learn_max_slots"]) if cfg["learn"] else None
         self.roles = frozenset(cfg["roles"])
-        self.cache: OrderedDict[int, _Analysis] = OrderedDict()
-        self.seen_once: OrderedDict[int, None] = OrderedDict()   # text hashes, no analysis
-        self.recent: OrderedDict[int, tuple] = OrderedDict()      # by ending: suffix_reuse
+        self.cache: LRU[int, _Analysis] = LRU(cfg["cache_texts"])
+        self.seen_once: LRU[int, None] = LRU(4 * cfg["cache_texts"])   # text hashes, no analysis
+        self.recent: LRU[int, tuple] = LRU(REUSE_TEXTS)                  # by ending: suffix_reuse
 
     # --- one text ------------------------------------------------------------------------------
     def analyze(self, text: str) -> _Analysis:
         h = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
         a = self.cache.get(h)
         if a is not None:
-            self.cache.move_to_end(h)
             return a
         code = code_spans(text)
         toks, statics, values, found = self._scan(text, code)
@@ -127,13 +126,9 @@ class Normalizer:
             # repeats, and caching it would only evict the static prompts that do
             if h in self.seen_once:
                 del self.seen_once[h]
-                self.cache[h] = a
-                if len(self.cache) > self.cfg["cache_texts"]:
-                    self.cache.popitem(last=False)
+                self.cache.put(h, a)
             else:
-                self.seen_once[h] = None
-                if len(self.seen_once) > 4 * self.cfg["cache_texts"]:
-                    self.seen_once.popitem(last=False)
+                self.seen_once.put(h, None)
         return a
 
     def _scan(self, text: str, code):
@@ -143,15 +138,12 @@ class Normalizer:
             toks, statics, values = scan(text)
             return toks, statics, values, self.detector.find(text, toks, code)
         sk = hash(text[-REUSE_KEY_CHARS:])
-        prev = self.recent.get(sk)
+        prev = self.recent.peek(sk)
         got = reuse(text, code, *prev, self.detector) if prev is not None else None
         if got is None:
             toks, statics, values = scan(text)
             got = toks, statics, values, self.detector.find(text, toks, code)
-        self.recent[sk] = (text, *got[:3], got[3], code)
-        self.recent.move_to_end(sk)
-        if len(self.recent) > REUSE_TEXTS:
-            self.recent.popitem(last=False)
+        self.recent.put(sk, (text, *got[:3], got[3], code))
         return got
 
     def plan(self, text: str) -> list[Found]:
@@ -322,6 +314,7 @@ class Normalize(Plugin):
                 body["tools"] = canon
                 ctx.body_changed = True
         moved = self.core.normalize(body)
+        ctx.normalized = True
         ctx.response_headers["x-prefixgate-moved"] = str(len(moved))
         if not moved:
             self.requests.labels("unchanged").inc()

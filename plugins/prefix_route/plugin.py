@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from prefixgate.proxy.config import Key, non_negative, one_of, positive
+from prefixgate.proxy.spec import Key, non_negative, one_of, positive
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
 from prefixgate.proxy.plugin import Plugin
 
@@ -76,6 +76,7 @@ class Keys:
     chain: list[int]          # chained block hashes, at most max_blocks
     short: int | None         # a key for a prompt without one full block (None: no key)
     cut: bool                 # the text chain stops at a dynamic value
+    matched: dict | None = None   # cache_aware: upstream name -> leading blocks it holds
 
 
 class PrefixRoute(Plugin):
@@ -115,7 +116,7 @@ class PrefixRoute(Plugin):
 
     # --- load ----------------------------------------------------------------------------------
     def load(self, up) -> float:
-        return self.poller.load(up) if self.poller is not None else float(up.inflight)
+        return self.poller.load(up) if self.poller is not None else float(up.inflight + up.waiting)
 
     def saturated(self, up) -> bool:
         if self.poller is None:
@@ -137,12 +138,11 @@ class PrefixRoute(Plugin):
         tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
         if tokens is not None and not (spans and _has_dynamic(ctx.body, spans)):
             bt = c["block_tokens"]
-            if ctx.block_hashes is not None and self._hashed_upstream_with(ctx) == bt:
-                chain = ctx.block_hashes[:c["max_blocks"]]     # already hashed upstream of us
+            if ctx.block_hashes is not None and ctx.block_tokens == bt:
+                chain = ctx.block_hashes[:c["max_blocks"]]     # already hashed (prerender)
             else:
                 chain = block_hash_chain(tokens, bt, c["max_blocks"])
-                ctx.block_hashes = chain
-                ctx.state["block_tokens"] = bt
+                ctx.block_hashes, ctx.block_tokens = chain, bt
             short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
             return Keys("tokens", chain, short, False)
         # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
@@ -151,40 +151,15 @@ class PrefixRoute(Plugin):
         short = tail_hash([], data) if not chain and data else None
         return Keys("text", chain, short, cut)
 
-    def _hashed_upstream_with(self, ctx) -> int | None:
-        """Block size of the chain already on the context (set by `prerender`, or by the
-        fleet simulator in ctx.state), so it is not hashed twice."""
-        bt = ctx.state.get("block_tokens")
-        if bt is None:
-            for p in self._plugins(ctx):
-                if getattr(p, "name", "") == "prerender":
-                    return p.cfg.get("block_tokens")
-        return bt
-
-    def _plugins(self, ctx) -> list:
-        """The chain this request runs on (a reload may have swapped the gateway's since)."""
-        chain = ctx.state.get("chain") or getattr(self.gw, "chain", None)
-        return getattr(chain, "plugins", [])
-
     def _dynamic_spans(self, ctx) -> DynamicSpans | None:
         mode = self.cfg["dynamic_cut"]
         if mode == "never":
             return None
-        if mode == "auto" and self._normalize_runs_first(ctx):
-            opted_out = ctx.headers.get("x-prefixgate-normalize", "").strip().lower() == "off"
-            if not opted_out:
-                return None
+        if mode == "auto" and ctx.normalized:
+            return None             # normalize moved the dynamic values out already
         if self._spans is None:
             self._spans = DynamicSpans()
         return self._spans
-
-    def _normalize_runs_first(self, ctx) -> bool:
-        for p in self._plugins(ctx):
-            if p is self:
-                return False
-            if getattr(p, "name", "") == "normalize":
-                return True
-        return False
 
     # --- llama.cpp slot affinity ---------------------------------------------------------------
     async def on_request(self, ctx) -> None:
@@ -220,7 +195,7 @@ class PrefixRoute(Plugin):
 
     def _loads(self, upstreams) -> dict:
         if self.poller is None:
-            return {u: u.inflight for u in upstreams}
+            return {u: u.inflight + u.waiting for u in upstreams}
         return {u: self.poller.load(u) for u in upstreams}
 
     def _score_chwbl(self, ctx, keys: Keys, upstreams):
@@ -244,7 +219,7 @@ class PrefixRoute(Plugin):
     def _score_cache_aware(self, ctx, keys: Keys, upstreams):
         c = self.cfg
         n = len(keys.chain)
-        matched = ctx.state["prefix_route_matched"] = self.index.match(keys.chain)
+        matched = keys.matched = self.index.match(keys.chain)
         loads = self._loads(upstreams)
         lightest = min(loads.values())
         abs_t, rel_t = c["balance_abs_threshold"], c["balance_rel_threshold"]
@@ -306,7 +281,7 @@ class PrefixRoute(Plugin):
         keys = self.keys(ctx)
         self._total_blocks.inc(len(keys.chain))
         if self.index is not None and keys.chain:
-            matched = ctx.state.get("prefix_route_matched")     # from score(), if it ran
+            matched = keys.matched     # from score(), if it ran
             if matched is None:
                 matched = self.index.match(keys.chain)
             self._matched_blocks.inc(matched.get(up.name, 0))

@@ -152,11 +152,11 @@ class FleetSim:
     def _arrive(self, req, now: float) -> None:
         ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain
-        ctx.state["block_tokens"] = self.bt
+        ctx.block_tokens = self.bt
         replica = self._turn % len(self.gws)
         self._turn += 1
         t0 = time.perf_counter()
-        up = self.gws[replica].pick(ctx)
+        up = self.gws[replica].decide(ctx)
         self.pick_s.append(time.perf_counter() - t0)
         if len(self.gws) > 1:
             self._compare(req, replica, up.name)
@@ -183,8 +183,8 @@ class FleetSim:
             if i != replica:
                 shadow = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
                 shadow.tokens, shadow.block_hashes = req.tokens, req.chain
-                shadow.state["block_tokens"] = self.bt
-                self.agree += gw.pick(shadow).name == chosen
+                shadow.block_tokens = self.bt
+                self.agree += gw.decide(shadow).name == chosen
                 self.compared += 1
 
     def _try_start(self, b: Backend, now: float) -> None:

@@ -24,6 +24,8 @@ import statistics
 import time
 import uuid
 
+from prefixgate.proxy.server import run_on_uvloop
+
 MINUTE_WORDS = ["orders", "refunds", "shipping", "accounts", "invoices", "warranty", "returns",
                 "coupons", "billing", "security", "privacy", "delivery"]
 
@@ -278,11 +280,7 @@ def main(argv=None) -> int:
               f"warm cache {r['warm_cache']['median_ms']:.3f} ms, speedup {r['speedup']:.1f}x "
               f"(first miss {r['first_miss_ms']:.2f} ms)   target >= 20x")
 
-    try:
-        import uvloop  # noqa: F401 - same loop as the gateway uses in production
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
+    run = run_on_uvloop                 # same loop as the gateway uses in production
     results["loop_stall"] = st = run(bench_loop_stall(model_dir, tok, 10000, 5))
     print("event-loop stall while prerender tokenizes cold 10k-token prompts")
     for mode in ("inline", "thread"):

@@ -46,9 +46,9 @@ def bench_pick(policy: str, upstreams: int, reqs, seed: int) -> list[float]:
             u.inflight = rng.randrange(0, 48)
         ctx = RequestContext(request_id="", path="/v1/chat/completions", body={}, headers={})
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain     # as prerender leaves them
-        ctx.state["block_tokens"] = 16
+        ctx.block_tokens = 16
         t0 = time.perf_counter()
-        ctx.upstream = gw.pick(ctx)
+        ctx.upstream = gw.decide(ctx)
         times.append(time.perf_counter() - t0)
         for hook in hooks:                       # record, so cache_aware's index is warm
             hook(ctx)

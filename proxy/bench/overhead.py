@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixgate.proxy.bundled import free_port
+from prefixgate.proxy.server import install_uvloop, wait_ready
 
 NGINX_CONF = """
 worker_processes auto;
@@ -61,20 +62,6 @@ BODY = {"model": "standin-model", "stream": True, "max_tokens": 1,
 
 def spawn(cmd: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
-
-
-async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url + path) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
@@ -215,11 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-nginx", action="store_true")
     p.add_argument("--out", help="save results and settings as JSON")
     args = p.parse_args(argv)
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     results = asyncio.run(measure(args))
     print(report(results))
     if args.out:

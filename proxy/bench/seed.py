@@ -32,11 +32,15 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
-from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy import config as config_mod
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer, words
-from prefixgate.proxy.bench.stats import fmt, reduction
+from prefixgate.proxy.bench.stats import fmt, reduction, summarize
+from prefixgate.proxy.bench.target import cell_record, client_session, measure, request_body
+from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.server import start_app
 
 
 @dataclass
@@ -207,11 +211,6 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
                     launcher=None, offset: int = 0) -> dict:
     """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
     put a gateway with the stage's plugins in front, measure, stop everything."""
-    from prefixgate.proxy.app import Gateway
-    from prefixgate.proxy.bench.cli import client_session, measure, request_body
-    from prefixgate.proxy.bundled import BundledEngines
-    from prefixgate.proxy.server import start_app
-
     engines = (launcher or BundledEngines)({
         "model": "demo", "instances": w.engines, "host": "127.0.0.1",
         "args": stage.engine_args(w), "startup_timeout_s": 600})
@@ -266,9 +265,6 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
 def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dict:
     """A stage's archive cell: latencies over the pooled samples of its rounds, throughput
     as the mean of the rounds' (each round has its own clock), engine/route stats summed."""
-    from prefixgate.proxy.bench.cli import cell_record
-    from prefixgate.proxy.bench.stats import summarize
-
     samples = [s for run in runs for s in run["samples"]]
     cell = cell_record(stage.name, {"stage": asdict(stage), "engine_args": stage.engine_args(w),
                                     "gateway": runs[0]["gateway"]}, samples, slo_s)

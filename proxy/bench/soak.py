@@ -29,6 +29,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from prefixgate.proxy.server import install_uvloop
 from prefixgate.proxy.testing.standin import Behaviour, StandIn, _chunk, _prompt_len
 
 
@@ -47,11 +48,7 @@ class CountingStandIn(StandIn):
 
 
 def standin_main(port: int) -> None:
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
 
     async def run():
         s = await CountingStandIn(Behaviour(record=False)).start(port=port)
@@ -280,11 +277,7 @@ def main(argv=None) -> int:
     args.seconds = args.seconds if args.seconds is not None else args.minutes * 60
     if args.warmup_s is None:
         args.warmup_s = min(30.0, max(5.0, args.seconds * 0.05))
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     result = asyncio.run(soak(args))
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=2))

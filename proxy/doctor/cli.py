@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import secrets
 import sys
 import time
 
 import aiohttp
 
-from prefixgate.proxy.doctor import checks as checks
-from prefixgate.proxy.doctor import metrics as pm
-from prefixgate.proxy.bench.cli import auth_headers, base_url, pick_model, TargetError
 from prefixgate.proxy.bench.archive import snapshot
 from prefixgate.proxy.bench.prompts import load_tokenizer, words
+from prefixgate.proxy.bench.target import TargetError, auth_headers, base_url, pick_model
+from prefixgate.proxy.doctor import checks as checks
+from prefixgate.proxy.doctor import metrics as pm
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
 from prefixgate.proxy.doctor.trace import trace_stream
 
@@ -82,7 +83,6 @@ def load_request(path: str) -> dict:
 
 def probe_body() -> dict:
     """A ~1500-token system prompt and a short question: long enough for prefill to show."""
-    import random
     system = "You are a careful assistant. Follow these rules. " + words(random.Random(7), 1400)
     return {"messages": [{"role": "system", "content": system},
                          {"role": "user", "content": "Summarize the rules in one sentence."}]}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from aiohttp import web
 from multidict import CIMultiDict
 
-from prefixgate.proxy.server import start_app
+from prefixgate.proxy.server import install_uvloop, start_app
 
 
 @dataclass
@@ -240,11 +240,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     standin = StandIn(Behaviour(tokens=args.tokens, first_delay=args.first_delay, gap=args.gap,
                                 record=not args.no_record))
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     web.run_app(standin.app(), host=args.host, port=args.port, access_log=None,
                 handler_cancellation=True, print=None)
     return 0

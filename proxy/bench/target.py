@@ -1,0 +1,99 @@
+"""What every client of a target server shares (bench grid, seed scenario, doctor): its base
+URL and auth, the client session, the request body, the model to ask for, and measuring one
+cell of requests into an archive record."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import aiohttp
+
+from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy.bench.client import Sample, closed_loop, open_loop, stream_once
+from prefixgate.proxy.bench.prompts import Lengths
+from prefixgate.proxy.bench.stats import summarize
+
+
+class TargetError(Exception):
+    """The target cannot be benchmarked (unreachable, no model)."""
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def auth_headers(api_key: str | None) -> dict:
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def client_session(timeout_s: float) -> aiohttp.ClientSession:
+    # no connection cap: the load generator must never be the queue being measured
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def pick_model(session, base: str, headers: dict, model: str | None) -> tuple[str, dict]:
+    models = await archive_mod.snapshot(session, base, "/v1/models", headers)
+    if model:
+        return model, models
+    try:
+        return models["data"][0]["id"], models
+    except (TypeError, KeyError, IndexError):
+        raise TargetError(f"{base}/v1/models gave no model; is the server up? "
+                          "(or pass --model)") from None
+
+
+def request_body(messages_body: dict, model: str, max_tokens: int, ignore_eos: bool,
+                 endpoint: str, lengths: Lengths | None = None) -> dict:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0.0}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if endpoint == "completions":
+        body["prompt"] = render_prompt(messages_body, lengths)
+    else:
+        body.update(messages_body)
+    return body
+
+
+def render_prompt(messages_body: dict, lengths: Lengths | None) -> str:
+    tok = lengths.tokenizer if lengths else None
+    if tok is not None and getattr(tok, "chat_template", None):
+        try:
+            return tok.apply_chat_template(messages_body["messages"],
+                                           tools=messages_body.get("tools"))
+        except ValueError:
+            pass
+    return "\n\n".join(m["content"] for m in messages_body["messages"])
+
+
+async def measure(session, url: str, headers: dict, make_body: Callable[[int], dict], *,
+                  requests: int, warmup: int, concurrency: int | None = None,
+                  rate: float | None = None, think_s: float = 0.0, seed: int = 0,
+                  label: str = "") -> list[Sample]:
+    """Warm-up, then the measured requests of one cell; returns every sample."""
+    async def send(s: Sample) -> Sample:
+        return await stream_once(session, url, make_body(s.index), headers, s)
+    warm = [Sample(index=i, warmup=True) for i in range(warmup)]
+    measured = [Sample(index=warmup + i) for i in range(requests)]
+    progress = archive_mod.Progress(warmup + requests, label)
+
+    def done(s: Sample) -> None:
+        progress.step(s.ok)
+    if rate is None:
+        # one loop: the measured requests follow the warm-up ones without a pause, so they
+        # meet the steady state the warm-up built (not a fresh start's burst or lull)
+        await closed_loop(send, warm + measured, concurrency or 1, done, think_s, seed)
+        return warm + measured
+    if warm:
+        await closed_loop(send, warm, concurrency or 1, done)
+    await open_loop(send, measured, rate, seed, done)
+    return warm + measured
+
+
+def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: float) -> dict:
+    origin = min((s.start for s in samples), default=0.0)
+    return {"label": label, **params, "summary": summarize(samples, slo_ttft_s),
+            "samples": [s.to_json(origin) for s in samples]}

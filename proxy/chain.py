@@ -1,0 +1,111 @@
+"""Building the plugin chain from the config's `plugins:` list.
+
+Plugins register Prometheus metrics and connect hooks on the gateway, so each plugin's
+registrations are recorded (`gw.plugin_owned`): a reload (proxy/reload.py) can then carry the
+kept plugins' collectors over to a new registry and build only the changed ones.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+
+from prometheus_client import CollectorRegistry
+
+from prefixgate.proxy.plugin import HOOKS, Plugin
+from prefixgate.proxy.spec import ConfigError
+
+# short name -> "module:Class"; imported lazily so a config only pays for what it uses
+BUILTIN = {
+    "round_robin": "prefixgate.plugins.balance:RoundRobin",
+    "least_inflight": "prefixgate.plugins.balance:LeastInflight",
+    "metrics": "prefixgate.plugins.metrics:Metrics",
+    "normalize": "prefixgate.plugins.normalize.plugin:Normalize",
+    "prerender": "prefixgate.plugins.prerender:Prerender",
+    "prefix_route": "prefixgate.plugins.prefix_route.plugin:PrefixRoute",
+    "admission": "prefixgate.plugins.admission:Admission",
+}
+
+
+def resolve(name: str) -> type[Plugin]:
+    """A built-in short name, or `package.module:Class` for a third-party plugin."""
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise ConfigError("", f"unknown plugin {name!r} (built-in: {', '.join(sorted(BUILTIN))}; "
+                              "or give module:Class)")
+    module, _, cls = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("", f"cannot load plugin {name!r}: {e}") from None
+
+
+class Chain:
+    """The built plugins, with each hook pre-bound to the plugins that define it."""
+
+    def __init__(self, plugins: list[Plugin]):
+        self.plugins = plugins
+        for hook in HOOKS:
+            setattr(self, hook, [getattr(p, hook) for p in plugins if hasattr(p, hook)])
+        self.scorers = [p for p in plugins if hasattr(p, "score")]
+        # the admission plugin's capacity test replaces the router's (inflight < max_inflight)
+        self.room = next((p.room for p in plugins if hasattr(p, "room")), None)
+
+
+class TrackingRegistry(CollectorRegistry):
+    """A registry that remembers who registered what: `base` (the gateway) or `recording`."""
+
+    def __init__(self):
+        super().__init__()
+        self.base: list = []
+        self.recording: list | None = None
+
+    def register(self, collector) -> None:
+        super().register(collector)
+        (self.recording if self.recording is not None else self.base).append(collector)
+
+
+def _key(item) -> str:
+    return json.dumps(item, sort_keys=True, default=str)
+
+
+def build_chain(gw, items: list, reuse: dict | None = None) -> Chain:
+    """The chain for `items`; plugins in `reuse` ({key: [plugin]}) are kept as they are."""
+    owned = gw.plugin_owned
+    entries = []
+    for i, item in enumerate([*items, "round_robin"]):
+        if i == len(items) and any(hasattr(p, "score") for _, p in entries):
+            break               # the fallback router only when no scorer is configured
+        key = _key(item)
+        kept = (reuse or {}).get(key)
+        if kept:
+            p = kept.pop(0)
+            cols, hooks = owned[p]
+            gw.registry.recording = []        # still the plugin's, not the gateway's
+            try:
+                for c in cols:
+                    gw.registry.register(c)
+            finally:
+                gw.registry.recording = None
+            gw.on_connect.extend(hooks)
+        else:
+            p = _build_one(gw, i, item)
+        entries.append((key, p))
+    gw.plugin_keys = entries
+    chain = Chain([p for _, p in entries])
+    chain.active = 0            # requests running on this chain
+    return chain
+
+
+def _build_one(gw, i: int, item):
+    name, cfg = (item, {}) if isinstance(item, str) else next(iter(item.items()))
+    registry = gw.registry
+    registry.recording = cols = []
+    n_hooks = len(gw.on_connect)
+    try:
+        p = resolve(name)(cfg or {}, gw)
+    except ConfigError as e:
+        raise e.under(f"plugins[{i}].{name}") from None
+    finally:
+        registry.recording = None
+    gw.plugin_owned[p] = (cols, gw.on_connect[n_hooks:])
+    return p
