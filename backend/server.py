@@ -5,6 +5,10 @@ events as tokens are sampled, or whole; `usage` in both (with `prompt_tokens_det
 cached_tokens` from the prefix cache). `/v1/models`, `/health`, `/metrics`. A client that
 disconnects aborts its sequence, which frees its KV blocks.
 
+As vLLM: the model answers to every `--served-model-name` and reports the first in responses;
+a request naming another model gets vLLM's 404 (a request without `model` is served);
+`/tokenize` (a prompt, or chat messages rendered with the template) and `/detokenize`.
+
 Extensions, as vLLM names them: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, and
 `return_token_ids` (adds `prompt_token_ids` and per-choice `token_ids` to the response).
 """
@@ -84,16 +88,31 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, default_max
     )
 
 
+class ModelNotFound(HTTPError):
+    """A request for a model this server does not serve: vLLM's 404, `param` included."""
+
+    def __init__(self, name: str):
+        super().__init__(404, f"The model `{name}` does not exist.", code=404, type="NotFoundError")
+
+    def payload(self) -> dict:
+        out = super().payload()
+        out["error"]["param"] = "model"
+        return out
+
+
 # --- the app ----------------------------------------------------------------------------------
 
 class EngineServer:
     """The HTTP handlers over one engine."""
 
-    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 served_model_names: list[str] | None = None):
         self.engine = engine
         self.core = engine.engine
         self.engine_metrics = metrics
-        self.model_name = self.core.served_model_name
+        # every name is answered to; the first is the one responses carry (as vLLM)
+        self.served_model_names = list(dict.fromkeys(served_model_names or [self.core.served_model_name]))
+        self.model_name = self.served_model_names[0]
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
 
@@ -101,18 +120,31 @@ class EngineServer:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def _request_body(self, request: web.Request) -> dict:
+        """The JSON body, after checking its `model` (absent or empty: the default, as vLLM)."""
+        body = await _json_body(request)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise HTTPError(400, f"'model' must be a string, got {json.dumps(model)[:80]}", code="invalid_value")
+        if model and model not in self.served_model_names:
+            raise ModelNotFound(model)
+        return body
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "prefixgate", "max_model_len": self.core.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "prefixgate",
+            "root": self.core.args.model, "parent": None, "max_model_len": self.core.max_model_len}
+            for name in self.served_model_names]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.engine_metrics.registry),
@@ -120,26 +152,83 @@ class EngineServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        body = await _json_body(request)
+        body = await self._request_body(request)
+        text = self._render_chat(body)
+        ids = await self._encode(text, add_special_tokens=False)
+        return await self._generate(request, body, ids, arrival, chat=True)
+
+    def _render_chat(self, body: dict, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """`messages` (and `tools`) rendered with the model's chat template."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise HTTPError(400, "'messages' must be a non-empty list of objects with a 'role'",
                             code="invalid_value")
         tools = _field(body, "tools", list)
+        messages = [_flatten_content(m) for m in messages]
+        kwargs = {k: v for k, v in (template_kwargs or {}).items()
+                  if k not in ("messages", "tools", "add_generation_prompt", "continue_final_message")}
         try:
             text = self.core.tokenizer.apply_chat_template(
-                [_flatten_content(m) for m in messages], tools=tools, add_generation_prompt=True)
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
         except HTTPError:
             raise
         except Exception as e:    # the template's own raise_exception(), or a bad message shape
             raise HTTPError(400, f"chat template failed: {e}", code="invalid_value") from None
-        ids = await self._encode(text, add_special_tokens=False)
-        return await self._generate(request, body, ids, arrival, chat=True)
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content"))
+        return text
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `prompt` (TokenizeCompletionRequest) or `messages` (TokenizeChatRequest)."""
+        body = await self._request_body(request)
+        if "messages" in body and "prompt" in body:
+            raise HTTPError(400, "give either 'prompt' or 'messages', not both", code="invalid_value")
+        return_strs = _field(body, "return_token_strs", bool, False)
+        if "messages" in body:
+            add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
+            continue_final_message = _field(body, "continue_final_message", bool, False)
+            if add_generation_prompt and continue_final_message:
+                raise HTTPError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` "
+                                "to True.", code="invalid_value")
+            text = self._render_chat(body, add_generation_prompt, continue_final_message,
+                                     _field(body, "chat_template_kwargs", dict, {}))
+            add_special = _field(body, "add_special_tokens", bool, False)
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise HTTPError(400, "'prompt' must be a string (or send 'messages' to tokenize a chat)",
+                                code="invalid_value")
+            add_special = _field(body, "add_special_tokens", bool, True)
+        ids = await self._encode(text, add_special_tokens=add_special)
+        strs = None
+        if return_strs:
+            tok = self.core.tokenizer._tok          # the `tokenizers` object: id -> vocabulary entry
+            strs = [tok.id_to_token(i) for i in ids]
+        return web.json_response({"count": len(ids), "max_model_len": self.core.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: `tokens` -> `prompt`, special tokens kept (so /tokenize round-trips)."""
+        body = await self._request_body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise HTTPError(400, "'tokens' must be a list of token ids (integers)", code="invalid_value")
+        tok = self.core.tokenizer
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary [0, {tok.vocab_size})",
+                            code="invalid_value")
+        if len(ids) > LONG_TEXT_CHARS:
+            text = await asyncio.to_thread(tok.decode, ids, skip_special_tokens=False)
+        else:
+            text = tok.decode(ids, skip_special_tokens=False)
+        return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        body = await _json_body(request)
+        body = await self._request_body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]          # a batch of one
@@ -295,6 +384,19 @@ def _flatten_content(message: dict) -> dict:
     return message
 
 
+def _open_final_message(text: str, final: str | None) -> str:
+    """`continue_final_message`: cut the render just after the last message's content, so the
+    model continues that message (as transformers' apply_chat_template does)."""
+    if not isinstance(final, str) or not final.strip():
+        raise HTTPError(400, "continue_final_message needs a final message with text content", code="invalid_value")
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise HTTPError(400, "continue_final_message is set but the final message does not appear in the chat "
+                    "after applying the chat template", code="invalid_value")
+
+
 async def _json_body(request: web.Request) -> dict:
     return parse_json_object(await request.read())
 
@@ -313,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="Hugging Face model dir, or 'demo' (default)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model id in responses (default: dir name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names the model answers to; the first is the one responses carry "
+                   "(default: the dir name, or 'demo')")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--block-size", type=int, default=a.block_size, help="tokens per KV block")
@@ -352,7 +456,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         step_overhead_tokens=ns.step_overhead_tokens,
         enable_chunked_prefill=not ns.no_chunked_prefill, enable_prefix_caching=not ns.no_prefix_caching,
         attention_backend=ns.attention_backend, enforce_eager=ns.enforce_eager,
-        served_model_name=ns.served_model_name)
+        served_model_name=ns.served_model_name[0] if ns.served_model_name else None)
 
 
 @dataclass
@@ -371,11 +475,13 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
                        engine: LLMEngine | None = None) -> RunningServer:
     """Build the engine (unless given) and serve it in this event loop; port 0 picks a free one."""
     ns = build_parser().parse_args(argv or [])
+    if ns.served_model_name and not all(ns.served_model_name):
+        raise ValueError("--served-model-name: a name must not be empty")
     core = engine or await asyncio.to_thread(LLMEngine, engine_args(ns))
     async_engine = AsyncEngine(core)
     metrics = EngineMetrics(core)
     async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
-    server = EngineServer(async_engine, metrics, ns.default_max_tokens)
+    server = EngineServer(async_engine, metrics, ns.default_max_tokens, ns.served_model_name)
     # start_app cancels the handler of a client that hangs up, which aborts its sequence
     runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
     async_engine.start()

@@ -50,12 +50,14 @@ class Admission(Plugin):
         "max_inflight": Key(int, None, positive),       # global cap (default: none beyond
                                                         # the sum of the per-upstream caps)
         "per_upstream": Key(int, None, positive),       # default: each upstream's max_inflight
-        "max_queue": Key(int, 1024, non_negative),      # waiters beyond this → 429 at once
+        "max_queue": Key(int, None, non_negative),      # waiters beyond this → 429 at once
+                                                        # (default: 4x the fleet's slots)
         "queue_timeout_s": Key((int, float), 30.0, positive),
         "long_prompt_tokens": Key(int, 2048, positive),
         "long_prompt_chars": Key(int, 8192, positive),
         "long_max_inflight": Key(int, None, positive),  # default: a quarter of the capacity
         "priority_header": Key(bool, True),             # honour x-prefixgate-priority
+        "lanes": Key(bool, True),                       # false: one FIFO lane for all
     }
 
     def __init__(self, cfg, gw):
@@ -99,16 +101,21 @@ class Admission(Plugin):
     def global_cap(self) -> int:
         return self.cfg["max_inflight"] or max(1, sum(self.cap(u) for u in self.gw.upstreams))
 
+    def max_queue(self) -> int:
+        return self.cfg["max_queue"] if self.cfg["max_queue"] is not None else \
+            4 * self.global_cap()
+
     def long_cap(self) -> int:
         return self.cfg["long_max_inflight"] or max(1, self.global_cap() // 4)
 
     # --- hooks -----------------------------------------------------------------------------
     async def admit(self, ctx) -> None:
-        if self.waiting >= self.cfg["max_queue"]:
+        max_queue = self.max_queue()
+        if self.waiting >= max_queue:
             if self._try_now(ctx):
                 return
             self.rejected["queue_full"] += 1
-            raise HTTPError(429, f"admission queue is full ({self.cfg['max_queue']} waiting)",
+            raise HTTPError(429, f"admission queue is full ({max_queue} waiting)",
                             code="queue_full", headers={"Retry-After": "1"})
         long = self._is_long(ctx)
         w = Waiter((-self._priority(ctx), next(self._seq)), ctx, long,
@@ -226,6 +233,8 @@ class Admission(Plugin):
 
     # --- classification --------------------------------------------------------------------
     def _is_long(self, ctx) -> bool:
+        if not self.cfg["lanes"]:
+            return False
         if ctx.tokens is not None:
             return len(ctx.tokens) > self.cfg["long_prompt_tokens"]
         return len(ctx.raw_body) > self.cfg["long_prompt_chars"]

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import uuid
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -20,7 +21,9 @@ from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.discovery import Discovery
 from prefixgate.proxy.health import Health
+from prefixgate.proxy import multipart
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
+from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
 from prefixgate.proxy.server import json_errors_middleware, parse_json_object
 from prefixgate.proxy.upstream import Upstream
 
@@ -30,8 +33,8 @@ log = logging.getLogger("prefixgate")
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+    "expect",      # 100-continue is between the client and us; the body is already coming
 })
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # answers worth another upstream when no byte has reached the client yet (nginx's default set)
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -66,6 +69,7 @@ class Gateway:
         self.plugin_owned: dict = {}        # plugin -> (its collectors, its connect hooks)
         self.plugin_keys: list = []         # [(config key, plugin)] in chain order
         self.chain = build_chain(self, config["plugins"])
+        self.responses = ResponseStore()
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -113,8 +117,8 @@ class Gateway:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config["limits"]["max_body_bytes"],
                               middlewares=[self._errors_middleware()])
-        for path in COMPLETION_PATHS:
-            app.router.add_post(path, self.handle_completion)
+        for endpoint in ENDPOINTS + passthrough(self.config["passthrough"]):
+            app.router.add_route(endpoint.method, endpoint.path, self._handler(endpoint))
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         if self.config.get("admin_listen") is None:
@@ -173,27 +177,31 @@ class Gateway:
         return route.decide(self.upstreams, ctx.chain or self.chain, ctx, tried)
 
     # --- handlers --------------------------------------------------------------------------
-    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+    def _handler(self, endpoint: Endpoint):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, endpoint)
+        return handle
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """One proxied request: parse → chain → decide → exchange → relay → finish."""
         # the route's own path, never the request's: nothing a client sends picks the URL
         ctx = RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-                             path=request.match_info.route.resource.canonical, body={},
-                             headers=request.headers)
+                             path=endpoint.path, body={}, headers=request.headers,
+                             endpoint=endpoint, target=upstream_path(endpoint, request))
         ctx.stamp("received")
         chain = ctx.chain = self.chain     # a reload does not change it mid-request
         chain.active += 1
         error: BaseException | None = None
         try:
             self._authenticate(ctx)
-            limits = self.config["limits"]
-            ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
-            ctx.body = parse_json_object(ctx.raw_body)
-            guard.check_depth(ctx.body, limits["max_json_depth"])
-            if limits["validate_fields"]:
-                guard.check_fields(ctx.path, ctx.body)
-            ctx.stream = ctx.body.get("stream") is True
+            await self._read(request, ctx)
+            if endpoint.responses:
+                ctx.pin = self.responses.owner(request.match_info.get("response_id")
+                                               or str(ctx.body.get("previous_response_id")))
             ctx.stamp("parsed")
-            for hook in chain.on_request:
-                await hook(ctx)
+            if endpoint.prompt:
+                for hook in chain.on_request:
+                    await hook(ctx)
             ctx.stamp("plugins_done")
             ctx.upstream = self.decide(ctx)
             for hook in chain.admit:
@@ -224,6 +232,55 @@ class Gateway:
                 except Exception:
                     log.exception("plugin on_finish failed")
 
+    async def _read(self, request: web.Request, ctx: RequestContext) -> None:
+        """The request's body as its endpoint takes it, and the model it names."""
+        limits, kind = self.config["limits"], ctx.endpoint.body
+        if kind == "none":
+            return
+        if kind == "multipart":
+            boundary = multipart.boundary_of(request.headers.get("Content-Type", ""))
+            if boundary is None:
+                raise HTTPError(400, "expected a multipart/form-data body with a boundary",
+                                code="invalid_request")
+            try:
+                async with asyncio.timeout(limits["body_timeout_s"]):
+                    ctx.raw_body, fields = await multipart.read_head(request.content, boundary)
+            except ValueError as e:
+                raise HTTPError(400, f"malformed multipart body: {e}",
+                                code="invalid_request") from None
+            except TimeoutError:
+                raise HTTPError(408, "request body not received in time",
+                                code="request_timeout", headers={"Connection": "close"}) from None
+            self._set_model(ctx, fields.get("model"), rewrite=False)
+            return
+        ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
+        if kind == "raw":          # passthrough: routed by a JSON model when there is one
+            try:
+                ctx.body = parse_json_object(ctx.raw_body)
+            except HTTPError:
+                return
+            self._set_model(ctx, ctx.body.get("model"), rewrite=False)
+            return
+        ctx.body = parse_json_object(ctx.raw_body)
+        guard.check_depth(ctx.body, limits["max_json_depth"])
+        if limits["validate_fields"]:
+            guard.check_fields(ctx.path, ctx.body)
+        ctx.stream = ctx.body.get("stream") is True
+        self._set_model(ctx, ctx.body.get("model"), rewrite=True)
+
+    def _set_model(self, ctx: RequestContext, model, rewrite: bool) -> None:
+        """ctx.model from the body's field, through `model_aliases` (rewritten in the body
+        when it is JSON, so the backend sees the name it serves)."""
+        if not isinstance(model, str):
+            return
+        served = self.config["model_aliases"].get(model)
+        if served is not None:
+            model = served
+            if rewrite:
+                ctx.body["model"] = served
+                ctx.body_changed = True
+        ctx.model = model
+
     def _authenticate(self, ctx: RequestContext) -> None:
         key = self.auth.identify(ctx.headers)
         if key is not None:
@@ -234,6 +291,8 @@ class Gateway:
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
         data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
+        if ctx.endpoint.body == "multipart":
+            data = multipart.iter_body(ctx.raw_body, request.content)
         tried: list[Upstream] = []
         while True:
             ctx.attempts += 1
@@ -243,19 +302,19 @@ class Gateway:
                 tried.append(ctx.upstream)
                 failed = HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
                                    code="upstream_unavailable")
-                if ctx.attempts > self.retries:
-                    raise failed from None
+                if ctx.attempts > self.retries or ctx.endpoint.body == "multipart":
+                    raise failed from None        # an upload streamed once cannot be replayed
                 try:
                     ctx.upstream = self.decide(ctx, tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
 
     def _can_retry(self, ctx: RequestContext, up: Upstream) -> bool:
-        return ctx.attempts <= self.retries and any(
+        return ctx.attempts <= self.retries and ctx.endpoint.body != "multipart" and any(
             u.healthy and u is not up for u in self.upstreams)
 
-    async def _exchange(self, request, ctx, up: Upstream, data: bytes) -> web.StreamResponse:
-        path, as_tokens = ctx.path, self._as_tokens(ctx, up)
+    async def _exchange(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
+        path, as_tokens = ctx.target, self._as_tokens(ctx, up)
         if as_tokens:
             path = "/v1/completions"
             data = encode_body(token_forward.chat_to_completions(ctx.body, ctx.tokens))
@@ -266,7 +325,9 @@ class Gateway:
             try:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
                     upstream_resp = await up.pool.request(
-                        "POST", path, self._upstream_headers(ctx, up), data)
+                        ctx.endpoint.method, path, self._upstream_headers(ctx, up), data,
+                        **({} if isinstance(data, bytes) else
+                           {"length": request.content_length}))
                     first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
                 self.health.bad_answer(up, "first-byte timeout")
@@ -309,13 +370,15 @@ class Gateway:
             self.health.bad_answer(up, describe(e))
             raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
                             code="upstream_error") from None
-        problem = broken_success(upstream_resp, first + rest)
+        problem = broken_success(upstream_resp, first + rest) if ctx.endpoint.prompt else None
         if problem:
             self.health.bad_answer(up, problem)
             raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
         body = first + rest
         if as_tokens and upstream_resp.status == 200:
             body = encode_body(token_forward.completion_to_chat(json.loads(body)))
+        if ctx.endpoint.responses and upstream_resp.status == 200:
+            self.responses.learn_whole(body, up.name)
         ctx.stamp("first_byte")
         for hook in ctx.chain.on_first_byte:
             hook(ctx)
@@ -334,6 +397,7 @@ class Gateway:
         chain = ctx.chain
         on_chunk = chain.on_chunk
         idle = up.timeouts["idle"]
+        seek_id = b"" if ctx.endpoint.responses else None   # the stream's head, until its id
         try:
             await resp.prepare(request)      # headers are held back and sent with the first chunk
             chunk = first
@@ -344,6 +408,10 @@ class Gateway:
                 ctx.chunks += chunk.count(b"data:")
                 for hook in on_chunk:
                     hook(ctx, chunk)
+                if seek_id is not None:
+                    seek_id += chunk
+                    if self.responses.learn_stream(seek_id, up.name) or len(seek_id) > 65536:
+                        seek_id = None
                 if convert is not None:
                     chunk = convert.feed(chunk) + (convert.flush() if upstream_resp.is_eof()
                                                    else b"")
@@ -378,8 +446,13 @@ class Gateway:
         headers = [(k, v) for k, v in ctx.headers.items()
                    if k.lower() not in HOP_BY_HOP and k.lower() not in replaced]
         headers += [("Accept-Encoding", "identity"),  # never let a stream be compressed
-                    ("X-Request-Id", ctx.request_id),
-                    ("Content-Type", "application/json")]
+                    ("X-Request-Id", ctx.request_id)]
+        kind = ctx.endpoint.body
+        if kind == "json" or (kind == "raw" and ctx.body_changed):
+            headers.append(("Content-Type", "application/json"))
+        elif kind != "none":          # multipart (its boundary) or a passthrough body
+            headers.append(("Content-Type", ctx.headers.get("Content-Type",
+                                                            "application/octet-stream")))
         headers += up.extra_headers.items()
         if key is not None:
             headers += key.upstream_headers.items()
@@ -405,22 +478,24 @@ class Gateway:
 
     # --- other endpoints -------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
+        """Every healthy upstream's models (asked afresh, which also updates routing), and
+        the `model_aliases` names beside the models they stand for."""
         self.auth.identify(request.headers)
-        async def fetch(up: Upstream):
-            try:
-                async with asyncio.timeout(up.timeouts["connect"] + 5):
-                    async with up.session.get(up.url + "/v1/models") as r:
-                        return (await r.json(content_type=None)).get("data", []) if r.ok else None
-            except Exception:       # one dead upstream must not hide the others' models
-                return None
-        results = await asyncio.gather(*(fetch(u) for u in self.upstreams if u.healthy))
-        if all(r is None for r in results):
+        healthy = [u for u in self.upstreams if u.healthy]
+        await asyncio.gather(*(self.health.refresh_models(u) for u in healthy))
+        known = [u for u in healthy if u.models is not None]
+        if not known:
             raise HTTPError(502, "no upstream answered /v1/models", code="upstream_unavailable")
         merged: dict[str, dict] = {}
-        for models in results:
-            for m in models or []:
-                if isinstance(m, dict) and "id" in m:
-                    merged.setdefault(m["id"], m)
+        for up in known:
+            for card in up.model_cards or []:
+                if card["id"] in up.models:
+                    merged.setdefault(card["id"], card)
+            for model in sorted(up.models - merged.keys()):     # a static `models:` list
+                merged[model] = {"id": model, "object": "model", "owned_by": "prefixgate"}
+        for public, served in self.config["model_aliases"].items():
+            if served in merged:
+                merged.setdefault(public, {**merged[served], "id": public, "root": served})
         return web.json_response({"object": "list", "data": list(merged.values())})
 
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -471,3 +546,13 @@ def describe(e: BaseException) -> str:
     if isinstance(e, TimeoutError):
         return "idle timeout"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def upstream_path(endpoint: Endpoint, request: web.Request) -> str:
+    """The endpoint's route with its path parts filled in, each percent-encoded (a response
+    id can never add a path segment of its own)."""
+    if "{" not in endpoint.path:
+        return endpoint.path
+    return endpoint.path.format(**{k: quote(v, safe="")
+                                   for k, v in request.match_info.items()})
+

@@ -26,6 +26,17 @@ BUILTIN = {
 }
 
 
+# what a chain always has: a router, and a bounded FIFO wait for a slot when every upstream
+# is full (a burst queues as it would at vLLM instead of being refused)
+FALLBACKS = ("round_robin", {"admission": {"lanes": False, "priority_header": False}})
+_FALLBACK_HOOKS = {"round_robin": "score", "admission": "admit"}
+
+
+def _has_hook(entries: list, fallback) -> bool:
+    name = fallback if isinstance(fallback, str) else next(iter(fallback))
+    return any(hasattr(p, _FALLBACK_HOOKS[name]) for _, p in entries)
+
+
 def resolve(name: str) -> type[Plugin]:
     """A built-in short name, or `package.module:Class` for a third-party plugin."""
     target = BUILTIN.get(name, name)
@@ -72,9 +83,9 @@ def build_chain(gw, items: list, reuse: dict | None = None) -> Chain:
     """The chain for `items`; plugins in `reuse` ({key: [plugin]}) are kept as they are."""
     owned = gw.plugin_owned
     entries = []
-    for i, item in enumerate([*items, "round_robin"]):
-        if i == len(items) and any(hasattr(p, "score") for _, p in entries):
-            break               # the fallback router only when no scorer is configured
+    for i, item in enumerate([*items, *FALLBACKS]):
+        if i >= len(items) and _has_hook(entries, FALLBACKS[i - len(items)]):
+            continue            # a fallback only when no configured plugin does its job
         key = _key(item)
         kept = (reuse or {}).get(key)
         if kept:

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import importlib
 import importlib.resources
 import logging
+import shlex
 import signal
 import sys
+from pathlib import Path
 
+import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
 from prefixgate.proxy import config as config_mod
@@ -34,47 +38,191 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help()
         return 2
+    args.argv = argv
     return serve_command(args)
+
+
+SERVE_HELP = """\
+Run the gateway. Four ways to say what it serves (at most one of the first three):
+
+  prefixgate serve --config gateway.yaml        a YAML config file
+  prefixgate serve --upstream URL [--upstream URL ...]
+                                                OpenAI-compatible servers you already run
+  prefixgate serve MODEL_DIR                    the bundled engine on that checkpoint
+  prefixgate serve                              the bundled engine on the built-in demo model
+                                                (also `prefixgate serve demo`)
+
+--upstream and MODEL_DIR build the config in memory; --print-config shows it as YAML, ready
+to save and run with --config."""
+
+SERVE_EPILOG = """\
+examples:
+  prefixgate serve --upstream http://10.0.0.1:8000 --upstream http://10.0.0.2:8000
+  prefixgate serve --upstream http://10.0.0.1:8000 --policy chwbl --normalize
+  prefixgate serve /models/Qwen2.5-0.5B-Instruct --port 8000
+  prefixgate serve --upstream http://10.0.0.1:8000 --print-config > gateway.yaml"""
+
+# --policy: the routing plugin it puts in the chain
+POLICIES = {
+    "round_robin": {"round_robin": {}},
+    "least_inflight": {"least_inflight": {}},
+    "chwbl": {"prefix_route": {"policy": "chwbl"}},
+    "cache_aware": {"prefix_route": {"policy": "cache_aware"}},
+}
+DEFAULT_POLICY = "cache_aware"      # SGLang Model Gateway's default --policy too
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description="Cut LLM time-to-first-"
                                      "token: a streaming gateway and a bundled engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = sub.add_parser("serve", help="run the gateway (no --config: standalone demo)")
-    serve.add_argument("--config", help="YAML config file (default: conf/standalone.yaml, the "
-                                        "bundled engine on the demo model)")
+    serve = sub.add_parser("serve", help="run the gateway (--config FILE, --upstream URL, "
+                                         "MODEL_DIR, or nothing: the standalone demo)",
+                           description=SERVE_HELP, epilog=SERVE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
+                       help="serve this checkpoint with the bundled engine, the gateway in "
+                            "front (conf/standalone.yaml with the model replaced); `demo`: "
+                            "the built-in demo model")
+    serve.add_argument("--config", metavar="FILE",
+                       help="YAML config file (without it, --upstream or MODEL_DIR: "
+                            "conf/standalone.yaml, the bundled engine on the demo model)")
+    serve.add_argument("--upstream", metavar="URL", action="append",
+                       help="an OpenAI-compatible server to route to; repeat the flag for each "
+                            "one (names default to host:port)")
+    serve.add_argument("--policy", choices=list(POLICIES),
+                       help="routing with --upstream or MODEL_DIR: round_robin, "
+                            "least_inflight, chwbl (prefix_route: consistent hashing with "
+                            "bounded loads) or cache_aware (prefix_route: the prefix index, "
+                            f"like SGLang's router). Default with --upstream: {DEFAULT_POLICY}, "
+                            "as SGLang Model Gateway's; with MODEL_DIR: none added")
+    serve.add_argument("--normalize", action="store_true",
+                       help="with --upstream or MODEL_DIR: put the normalize plugin first "
+                            "(moves timestamps and request ids out of the prompt's head; "
+                            "MODEL_DIR's config has it already)")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the config as YAML (what you would write for --config) "
+                            "and exit without starting anything")
     serve.add_argument("--log-level", default="info")
+    serve.set_defaults(parser=serve)
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def load_config(args) -> dict:
+def check_serve_args(args) -> None:
+    """The three sources are exclusive; --policy/--normalize only for the built configs.
+    Errors go through argparse (usage + one line, exit 2)."""
+    error = args.parser.error
+    given = [flag for flag, value in (("--config", args.config), ("--upstream", args.upstream),
+                                      ("MODEL_DIR", args.model_dir)) if value]
+    if args.model_dir and "://" in args.model_dir:
+        error(f"MODEL_DIR {args.model_dir} is a URL: give each upstream its own --upstream")
+    if len(given) > 1:
+        error(f"{' and '.join(given)} cannot be combined: give a config file, upstream URLs "
+              "or a model directory")
+    tuning = [flag for flag, value in (("--policy", args.policy),
+                                       ("--normalize", args.normalize)) if value]
+    if tuning and args.config:
+        error(f"{' and '.join(tuning)} cannot be combined with --config: put the plugins in "
+              "the YAML file's `plugins:` list")
+    if tuning and not given:
+        error(f"{' and '.join(tuning)} needs --upstream URL or MODEL_DIR (the demo: "
+              "`prefixgate serve demo`)")
+
+
+def with_plugins(plugins: list, policy: str | None, normalize: bool) -> list:
+    """`plugins` with normalize first (unless it is there) and the policy before metrics."""
+    plugins = list(plugins)
+    names = [next(iter(p)) if isinstance(p, dict) else p for p in plugins]
+    if normalize and "normalize" not in names:
+        plugins.insert(0, {"normalize": {}})
+        names.insert(0, "normalize")
+    if policy is not None:
+        at = names.index("metrics") if "metrics" in names else len(plugins)
+        plugins.insert(at, dict(POLICIES[policy]))
+    return plugins
+
+
+def standalone_raw() -> dict:
+    path = importlib.resources.files("prefixgate.conf") / "standalone.yaml"
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def read_raw(path: str) -> dict:
+    """A config file's own mapping (validated first, so its errors name the file's keys)."""
+    config_mod.load(path)
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+
+
+def raw_config(args) -> dict:
+    """The config as a user would write it: from --config, --upstream, MODEL_DIR or the
+    standalone default, with --host/--port applied."""
     if args.config:
-        cfg = config_mod.load(args.config)
+        raw = read_raw(args.config)
+    elif args.upstream:
+        raw = {"listen": {"host": "127.0.0.1", "port": 8080},
+               "upstreams": [{"url": url} for url in args.upstream],
+               "plugins": with_plugins([{"metrics": {}}], args.policy or DEFAULT_POLICY,
+                                       args.normalize)}
     else:
-        path = importlib.resources.files("prefixgate.conf") / "standalone.yaml"
-        with importlib.resources.as_file(path) as p:
-            cfg = config_mod.load(p)
-    if args.host:
-        cfg["listen"]["host"] = args.host
-    if args.port is not None:
-        cfg["listen"]["port"] = args.port
-    return cfg
+        raw = standalone_raw()
+        if args.model_dir:
+            model = args.model_dir
+            if model != "demo":
+                model = str(Path(model).resolve())
+            raw["bundled"] = {**raw["bundled"], "model": model}
+            raw["plugins"] = with_plugins(raw["plugins"], args.policy, args.normalize)
+    if args.host or args.port is not None:
+        listen = raw["listen"] = dict(raw.get("listen") or {})
+        if args.host:
+            listen["host"] = args.host
+        if args.port is not None:
+            listen["port"] = args.port
+    return raw
+
+
+def load_config(args) -> dict:
+    return config_mod.validate(raw_config(args))
+
+
+def missing_model_dir(args) -> str | None:
+    """Why MODEL_DIR cannot be served (None: it can)."""
+    model = args.model_dir
+    if not model or model == "demo" or Path(model).is_dir():
+        return None
+    if Path(model).exists():
+        hint = f"; did you mean --config {model}?" if model.endswith((".yaml", ".yml")) else ""
+        return f"MODEL_DIR {model} is not a directory{hint}"
+    return f"MODEL_DIR {model} does not exist (a checkpoint directory, or `demo`)"
+
+
+def print_config(args, raw: dict) -> None:
+    """The config as YAML, with the command it came from as a comment."""
+    argv = [a for a in args.argv if a != "--print-config"]
+    print(f"# prefixgate {shlex.join(argv)}, as a file for `prefixgate serve --config FILE`")
+    print(yaml.safe_dump(raw, sort_keys=False), end="")
 
 
 def serve_command(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(not_a_client_error)
+    check_serve_args(args)
+    if (problem := missing_model_dir(args)) is not None:
+        print(f"prefixgate: {problem}", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args)
+        raw = raw_config(args)
+        cfg = config_mod.validate(copy.deepcopy(raw))     # the raw mapping stays as written
     except ConfigError as e:
         print(f"prefixgate: config error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print_config(args, raw)
+        return 0
     install_uvloop()
     try:
         asyncio.run(serve(cfg, reload_config=lambda: load_config(args)))

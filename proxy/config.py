@@ -15,6 +15,16 @@ from prefixgate.proxy import auth, discovery, health
 from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, positive
 from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
 
+MODEL = {
+    "tokenizer": Key(str, None),     # dir with tokenizer.json (+ chat template)
+}
+MODEL_SINGLE = {
+    "name": Key(str, None),          # the served model's name (none: every model)
+    **MODEL,
+}
+ANY_MODEL = "*"                      # `models:` entry for requests whose model has none
+
+
 TOP = {
     "listen": Key(dict, dict, nested={
         "host": Key(str, "127.0.0.1"),
@@ -29,10 +39,10 @@ TOP = {
         "args": Key(list, list),               # extra `prefixgate backend` flags
         "startup_timeout_s": Key((int, float), 600.0, positive),
     }),
-    "model": Key(dict, dict, nested={
-        "name": Key(str, None),          # served model name, when the gateway must know it
-        "tokenizer": Key(str, None),     # dir with tokenizer.json (+ chat template)
-    }),
+    "model": Key(dict, dict, nested=MODEL_SINGLE),   # the single-model form of `models:`
+    "models": Key(dict, dict),          # {served model name: {tokenizer: DIR}}
+    "model_aliases": Key(dict, dict),   # {public name: served name}, rewritten before routing
+    "passthrough": Key(list, list),     # native POST paths proxied as they are (/generate ...)
     "plugins": Key(list, list),
     "timeouts": Key(dict, dict, nested=TIMEOUTS),
     "retries": Key(int, 1, non_negative),     # other upstreams tried before the first byte
@@ -72,7 +82,56 @@ def validate(raw: Any) -> dict:
         if not (isinstance(item, dict) and len(item) == 1) and not isinstance(item, str):
             raise ConfigError(f"plugins[{i}]", "must be a plugin name or a one-key mapping "
                                                "{name: {settings}}")
+    cfg["models"] = _models(cfg)
+    cfg["model_aliases"] = _aliases(cfg["model_aliases"])
+    cfg["passthrough"] = _passthrough(cfg["passthrough"])
     return cfg
+
+
+def _models(cfg: dict) -> dict[str, dict]:
+    """`models:` checked, with the single `model:` form folded in (under its name, or under
+    ANY_MODEL when it names none)."""
+    models = {}
+    for name, item in cfg["models"].items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError("models", f"model names must be non-empty strings, got {name!r}")
+        models[name] = check(item, MODEL, f"models.{name}")
+    single = cfg["model"]
+    if single["tokenizer"] is not None:
+        name = single["name"] or ANY_MODEL
+        if name in models:
+            raise ConfigError("model", f"model {name!r} is also under `models:`; keep one")
+        models[name] = {"tokenizer": single["tokenizer"]}
+    return models
+
+
+def model_settings(cfg: dict, model: str | None) -> dict | None:
+    """The `models:` entry a request for `model` uses (its own, else the ANY_MODEL one; a
+    request naming no model uses the only entry there is), or None."""
+    models = cfg["models"]
+    if model in models:
+        return models[model]
+    if ANY_MODEL in models:
+        return models[ANY_MODEL]
+    if model is None and len(models) == 1:
+        return next(iter(models.values()))
+    return None
+
+
+def _aliases(raw: dict) -> dict[str, str]:
+    for public, served in raw.items():
+        if not (isinstance(public, str) and isinstance(served, str) and public and served):
+            raise ConfigError(f"model_aliases.{public}", "must map a public model name to "
+                                                          "a served one (both strings)")
+    return dict(raw)
+
+
+def _passthrough(raw: list) -> list[str]:
+    for i, path in enumerate(raw):
+        if not isinstance(path, str) or not path.startswith("/") or "{" in path:
+            raise ConfigError(f"passthrough[{i}]", f"must be a path starting with / "
+                                                   f"(got {path!r})")
+    return list(raw)
 
 
 def load(path: str | Path) -> dict:

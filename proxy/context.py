@@ -15,8 +15,12 @@ class RequestContext:
     headers: Any                               # the client's request headers (CIMultiDictProxy)
     raw_body: bytes = b""                      # forwarded as-is unless body_changed
     body_changed: bool = False                 # set by a plugin that mutates `body`
+    endpoint: Any = None                       # its proxy.endpoints.Endpoint
+    target: str = ""                           # the path sent upstream (route parts filled in)
+    pin: str | None = None                     # the upstream it must go to (a stored response)
     chain: Any = None                          # the plugin chain, pinned for the request's life
     key: Any = None                            # the authenticated proxy.auth.ApiKey, if any
+    model: str | None = None                   # the body's model (after model_aliases)
     stream: bool = False
     priority: int = 0
     # monotonic stamps: received, parsed, plugins_done, admitted, upstream_sent, first_byte, done

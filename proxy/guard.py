@@ -52,7 +52,7 @@ def check_fields(path: str, body: dict) -> None:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 _bad(f"messages[{i}]", "must be an object with a string 'role'")
-    else:
+    elif path.endswith("/v1/completions"):
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)):
             _bad("prompt", "must be a string or a list")

@@ -5,6 +5,9 @@ objects, tracing hooks, StreamReader plumbing), about as much as everything else
 does. This pool writes the request in one `transport.write`, parses the response with
 llhttp (via `httptools`) in C, and hands body bytes to the reader as they arrive. The
 control plane (health polls, /v1/models, /metrics scrapes) still uses aiohttp.
+
+A request body is either bytes (the data path: written with the head in that one write) or
+an async iterable of bytes (uploads: streamed with back-pressure, never held whole).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import socket
 import ssl as ssl_mod
 import time
 from collections import deque
-from typing import Callable
+from typing import AsyncIterable, Callable
 
 import httptools
 from yarl import URL
@@ -130,6 +133,10 @@ class Connection(asyncio.Protocol):
         self.resp: Response | None = None
         self.closed = False
         self.reused = False
+        self.interim = False         # inside a 1xx response (100 Continue): not the answer
+        self.sending = False         # a streamed request body is not fully written yet
+        self.write_paused = False    # the transport's buffer is above its high-water mark
+        self._drain_waiter: asyncio.Future | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -147,9 +154,17 @@ class Connection(asyncio.Protocol):
             self._fail(UpstreamError(f"invalid HTTP response from upstream: {e}"))
             self.abort()
 
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.pool._forget(self)
+        self._wake_drain()
         if self.resp is not None:
             resp = self.resp
             if resp._headers_done.done() and self._body_until_close(resp):
@@ -167,18 +182,27 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.resp is not None:
-            self.resp._on_headers(self.parser.get_status_code())
+            status = self.parser.get_status_code()
+            if status < 200:             # 100 Continue, 103 Early Hints: the answer follows
+                self.interim = True
+                self.resp.headers.clear()
+                return
+            self.resp._on_headers(status)
 
     def on_body(self, body: bytes) -> None:
         if self.resp is not None:
             self.resp._on_body(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         resp, self.resp = self.resp, None
         keep_alive = self.parser.should_keep_alive()
         if resp is not None:
             resp._on_complete()
-        if keep_alive and not self.closed:
+        # answered before the request body was all sent: the framing is lost, never reuse
+        if keep_alive and not self.closed and not self.sending:
             self.pool._release(self)
         else:
             self.abort()
@@ -195,6 +219,52 @@ class Connection(asyncio.Protocol):
         if resp is not None:
             resp._on_error(error)
 
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is above its high-water mark."""
+        while self.write_paused and not self.closed:
+            self._drain_waiter = self.loop.create_future()
+            try:
+                await self._drain_waiter
+            finally:
+                self._drain_waiter = None
+
+    def _wake_drain(self) -> None:
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    async def send_body(self, body: AsyncIterable[bytes], length: int | None) -> None:
+        """Write a streamed request body: as is (`length` bytes), or chunk-encoded (None).
+
+        Stops quietly once the connection closes (the response carries the reason). Once
+        `sending` is False the connection may serve another request: touch it no more (so
+        the iterator is not read past `length` bytes)."""
+        write, sent = self.transport.write, 0
+        if length == 0:
+            self.sending = False
+            return
+        async for chunk in body:
+            if self.closed:
+                return
+            if not chunk:
+                continue                 # an empty chunk would end a chunked body
+            sent += len(chunk)
+            if length is None:
+                self.transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            elif sent > length:
+                raise ValueError(f"request body is longer than its length {length}")
+            else:
+                write(chunk)
+                if sent == length:
+                    self.sending = False
+                    return
+            if self.write_paused:
+                await self.drain()
+        if length is not None:
+            raise ValueError(f"request body ended after {sent} of {length} bytes")
+        if not self.closed:
+            write(b"0\r\n\r\n")
+            self.sending = False
+
     def pause(self) -> None:
         if self.transport is not None:
             self.transport.pause_reading()
@@ -207,7 +277,10 @@ class Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
-            self.transport.close()
+            if self.transport.get_write_buffer_size():
+                self.transport.abort()   # unsent request bytes: close() would wait for them
+            else:
+                self.transport.close()
 
 
 class Pool:
@@ -231,12 +304,17 @@ class Pool:
         self.connections_opened = 0
 
     async def request(self, method: str, path: str, headers: list[tuple[str, str]],
-                      body: bytes) -> Response:
+                      body: bytes | AsyncIterable[bytes], *,
+                      length: int | None = None) -> Response:
         """Send a request; return once the response's status and headers have arrived.
 
-        A reused keep-alive connection the upstream closed meanwhile is retried once on a
-        fresh connection (the upstream never saw the request).
+        `body` bytes: a reused keep-alive connection the upstream closed meanwhile is retried
+        once on a fresh connection (the upstream never saw the request). `body` an async
+        iterable of bytes: streamed (see `_request_streamed`), with `length` as its
+        Content-Length, or chunk-encoded when `length` is None.
         """
+        if not isinstance(body, (bytes, bytearray, memoryview)):
+            return await self._request_streamed(method, path, headers, body, length)
         head = self._head(method, path, headers, len(body))
         for attempt in (0, 1):
             conn = await self._acquire(fresh=attempt == 1)
@@ -254,10 +332,50 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    def _head(self, method: str, path: str, headers: list[tuple[str, str]], length: int) -> bytes:
+    async def _request_streamed(self, method: str, path: str, headers: list[tuple[str, str]],
+                                body: AsyncIterable[bytes], length: int | None) -> Response:
+        """Stream `body` while watching for the response.
+
+        A streamed body cannot be replayed, so it never goes on an idle keep-alive connection:
+        one the upstream closed meanwhile would fail the request with the body half consumed.
+        It takes a fresh connection, or one handed over by a request finishing right now
+        (never idle, so not stale). No retry: once the body is being read, every UpstreamError
+        has `sent_nothing` False.
+
+        Answered before the body is all sent (an upstream rejecting it early with 413/400):
+        sending stops, the response is returned, and the connection is closed after it.
+        The body iterator raising (the client went away mid-upload): the connection is
+        closed, and the error raised as is.
+        """
+        conn = await self._acquire(fresh=True)
+        resp = Response(conn)
+        conn.resp = resp
+        conn.sending = True
+        conn.transport.write(self._head(method, path, headers, length))
+        sender = self.loop.create_task(conn.send_body(body, length))
+        sender.add_done_callback(_retrieve)
+        try:
+            await asyncio.wait((sender, resp._headers_done), return_when=asyncio.FIRST_COMPLETED)
+            if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                raise sender.exception()              # the body iterator failed
+            await resp._headers_done                  # sent; or answered (early) or failed
+            return resp
+        except BaseException as e:
+            if isinstance(e, UpstreamError):
+                e.sent_nothing = False           # the body is (partly) consumed: no retry
+            resp._headers_done.cancel()          # nobody awaits it any more
+            resp.close()
+            conn.abort()
+            raise
+        finally:
+            sender.cancel()          # a no-op once sent; else stops sending after an answer
+
+    def _head(self, method: str, path: str, headers: list[tuple[str, str]],
+              length: int | None) -> bytes:
         lines = [f"{method} {self.base_path}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
         lines += [f"{k}: {v}\r\n" for k, v in headers]
-        lines.append(f"Content-Length: {length}\r\n\r\n")
+        lines.append(f"Content-Length: {length}\r\n\r\n" if length is not None
+                     else "Transfer-Encoding: chunked\r\n\r\n")
         return "".join(lines).encode("latin-1")
 
     async def _acquire(self, fresh: bool) -> Connection:
@@ -267,6 +385,9 @@ class Pool:
                 conn.reused = True
                 return conn
         while len(self.open) + self.connecting >= self.limit:
+            if fresh and self.idle:      # all slots taken, some idle: retire the oldest one
+                self.idle.popleft().abort()
+                continue
             waiter = self.loop.create_future()
             self.waiters.append(waiter)
             try:
@@ -333,3 +454,9 @@ class Pool:
     def close(self) -> None:
         for conn in list(self.open):
             conn.abort()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a body sender's outcome as seen (it is acted on, or moot, in the request)."""
+    if not task.cancelled():
+        task.exception()

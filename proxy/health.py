@@ -68,6 +68,8 @@ class Health:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=32, force_close=True),
             skip_auto_headers=("User-Agent",))
+        # the model lists first, so the first requests already go where their model is
+        await asyncio.gather(*(self.refresh_models(u) for u in self.gw.upstreams))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
@@ -118,11 +120,26 @@ class Health:
             st.probe_fails = 0
             st.probe_oks += 1
             self._maybe_restore(up, probe_ok=True)
+            await self.refresh_models(up)
         else:
             st.probe_oks = 0
             st.probe_fails += 1
             if up.healthy and st.probe_fails >= self.cfg["unhealthy_threshold"]:
                 self.eject(up, f"{st.probe_fails} failed probes ({what})")
+
+    async def refresh_models(self, up) -> None:
+        """Learn what `up` serves from its GET /v1/models (kept as it was when that fails:
+        a hiccup must not make its models unroutable)."""
+        try:
+            async with asyncio.timeout(self.cfg["timeout_s"]):
+                async with up.session.get(up.url + "/v1/models", headers=up.extra_headers) as r:
+                    payload = await r.json(content_type=None) if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return
+        cards = payload.get("data") if isinstance(payload, dict) else None
+        if isinstance(cards, list):
+            up.set_model_cards([c for c in cards if isinstance(c, dict)
+                                and isinstance(c.get("id"), str)])
 
     def _maybe_restore(self, up, probe_ok: bool | None) -> None:
         st = self.state(up)

@@ -87,6 +87,7 @@ async def _apply_upstreams(gw, configs: list[dict]) -> None:
             up.timeouts = c["timeouts"]
             up.extra_headers = {str(k): str(v) for k, v in c["headers"].items()}
             up.replaced_headers = up.replaced_headers | {k.lower() for k in up.extra_headers}
+            up.set_model_cards(up.model_cards)      # a static `models:` list may have changed
 
 
 def _warn_restart_only(old: dict, new: dict) -> None:

@@ -1,7 +1,7 @@
 """One routing decision: filters → weighted scorers → pick (DESIGN.md §2).
 
-Filters narrow the upstreams to those that can take the request: healthy, not already tried
-by this request (unless every one was), and with room. When none has room and the chain can
+Filters narrow the upstreams to those that can take the request: serving its model (404 when
+none does), healthy, not already tried by this request (unless every one was), and with room. When none has room and the chain can
 queue (an `admit` hook), every candidate stays in: the best one is picked all the same and the
 request waits for a slot on it. Scorers then add their weighted scores and the best total
 wins, ties broken at random. The scorers run even when one candidate is left, so each request
@@ -28,6 +28,11 @@ def has_room(up: "Upstream") -> bool:
 def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
            tried: Iterable["Upstream"] = ()) -> "Upstream":
     """The upstream for this attempt; HTTPError 503 (none healthy) or 429 (all full)."""
+    pinned = [u for u in upstreams if u.name == ctx.pin] if ctx.pin is not None else None
+    if pinned:
+        upstreams = pinned      # a stored response lives there and nowhere else
+    elif ctx.model is not None or ctx.endpoint is None or ctx.endpoint.body != "none":
+        upstreams = serving(upstreams, ctx.model)
     healthy = [u for u in upstreams if u.healthy]
     if not healthy:
         raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
@@ -41,6 +46,28 @@ def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
                             headers={"Retry-After": "1"})
         free = candidates          # all full: the request waits for the one picked here
     return pick(chain.scorers, ctx, free)
+
+
+def serving(upstreams: list["Upstream"], model: str | None) -> list["Upstream"]:
+    """The upstreams that serve `model`; HTTPError 404 when none does, 400 when the request
+    names no model and the fleet serves several (a single-model fleet takes it, as vLLM)."""
+    if model is None:
+        served = fleet_models(upstreams)
+        if len(served) > 1:
+            raise HTTPError(400, f"'model' is required: this gateway serves several models "
+                            f"({', '.join(sorted(served))})", code="missing_model")
+        return upstreams
+    found = [u for u in upstreams if u.serves(model)]
+    if not found:
+        raise HTTPError(404, f"model {model!r} is not served here; available: "
+                        f"{', '.join(sorted(fleet_models(upstreams))) or 'none'}",
+                        type="invalid_request_error", code="model_not_found")
+    return found
+
+
+def fleet_models(upstreams: list["Upstream"]) -> set[str]:
+    """Every model id some upstream is known to serve."""
+    return set().union(*(u.models for u in upstreams if u.models is not None))
 
 
 def pick(scorers: list, ctx: "RequestContext", candidates: list["Upstream"]) -> "Upstream":

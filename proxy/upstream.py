@@ -25,6 +25,9 @@ UPSTREAM = {
     # "tokens": chats that `prerender` tokenized go to /v1/completions as token ids
     # (backends that accept them: the bundled engine, vLLM); the answer comes back as chat
     "forward": Key(str, "json", one_of("json", "tokens")),
+    # the model ids it serves; default: whatever its GET /v1/models lists (refreshed with
+    # the health probes). Given here, the list wins (a backend without /v1/models).
+    "models": Key(list, None),
 }
 
 
@@ -48,6 +51,8 @@ def check_upstreams(raw: list, defaults: dict) -> list[dict]:
             raise ConfigError(f"{path}.name", f"duplicate upstream name {up['name']!r}")
         names.add(up["name"])
         up["timeouts"] = {**defaults, **{k: v for k, v in (item.get("timeouts") or {}).items()}}
+        if up["models"] is not None and not all(isinstance(m, str) and m for m in up["models"]):
+            raise ConfigError(f"{path}.models", "must be a list of model ids (strings)")
         ups.append(up)
     return ups
 
@@ -70,6 +75,11 @@ class Upstream:
         self.inflight = 0                   # requests being exchanged with it now
         self.waiting = 0                    # requests routed to it, queued for a slot
         self.healthy = True
+        # model cards ({"id", ...}) as its /v1/models lists them, and the ids it serves
+        # (None while unknown: it is then offered every model)
+        self.model_cards: list[dict] | None = None
+        self.models: frozenset[str] | None = None
+        self.set_model_cards(None)
         self.connections_opened = 0
         # called with (upstream, seconds) for each new connection; shared gateway-wide
         self.on_connect: list[Callable[["Upstream", float], None]] = (
@@ -80,6 +90,16 @@ class Upstream:
         self.replaced_headers = frozenset(
             {"accept-encoding", "x-request-id", "content-type"} | {k.lower() for k in
                                                                     self.extra_headers})
+
+    def set_model_cards(self, cards: list[dict] | None) -> None:
+        """What its /v1/models listed (None: not known). A static `models:` list wins."""
+        self.model_cards = cards
+        static = self.cfg["models"]
+        self.models = (frozenset(static) if static is not None else
+                       None if cards is None else frozenset(c["id"] for c in cards))
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     def __repr__(self) -> str:
         return f"Upstream({self.name!r}, {self.url!r})"

@@ -6,7 +6,7 @@ import time
 
 import aiohttp
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+CHAT = {"model": "standin-model", "messages": [{"role": "user", "content": "hello"}]}
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> list[tuple[float, bytes]]:

@@ -189,7 +189,9 @@ async def test_trickled_body_times_out_408(limited):
 # --- no open proxy ---------------------------------------------------------------------------
 async def test_nothing_in_a_request_picks_the_host(make_standin, make_gateway):
     real, evil = await make_standin(), await make_standin()
-    gw = await make_gateway({"upstreams": [{"name": "real", "url": real.url}]})
+    # the real upstream serves a model named like the evil URL: a name routes, never a host
+    gw = await make_gateway({"upstreams": [{"name": "real", "url": real.url,
+                                            "models": [evil.url + "/v1"]}]})
     evil_host = evil.url.removeprefix("http://")
     sneaky = {**CHAT, "url": evil.url, "base_url": evil.url, "api_base": evil.url,
               "model": evil.url + "/v1", "upstream": "evil", "host": evil_host}

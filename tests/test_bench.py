@@ -224,7 +224,7 @@ class StandInEngines:
     async def start(self):
         cache = "--no-prefix-caching" not in self.cfg["args"]
         for _ in range(self.cfg["instances"]):
-            s = await StandIn(Behaviour(tokens=2, prefix_cache=cache, prefill_per_token=0.0004,
+            s = await StandIn(Behaviour(model="demo", tokens=2, prefix_cache=cache, prefill_per_token=0.0004,
                                         record=False)).start()
             self.standins.append(s)
             self.urls.append(s.url)

@@ -206,7 +206,7 @@ async def test_real_engine_prefix_cache_on_and_off(caching, tmp_path):
     argv = ["--model", "demo", "--max-num-batched-tokens", "2048"]
     with ServerThread(argv + ([] if caching else ["--no-prefix-caching"])) as engine:
         rc, report, err = await doctor(engine.url, "--max-tokens", "8", "--request",
-                                       write(tmp_path, "r.json", CLEAN))
+                                       write(tmp_path, "r.json", {**CLEAN, "model": "demo"}))
     found = by_title(report)["prefix cache"]
     assert found["data"]["metric"] == "prefixgate:prefix_cache_queries"
     if caching:

@@ -74,7 +74,7 @@ async def test_request_fields_pass_through_untouched(make_standin, make_gateway)
     up = await make_standin()
     gw = await make_gateway({"upstreams": [{"name": "a", "url": up.url}]})
     body = {
-        "model": "m", "messages": [{"role": "user", "content": "天气? ☀"}], "stream": False,
+        "model": "standin-model", "messages": [{"role": "user", "content": "天气? ☀"}], "stream": False,
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}}],
         "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 3,
@@ -110,23 +110,23 @@ async def test_client_request_id_is_kept(gateway, standin):
 async def test_openai_sdk_through_the_gateway(gateway):
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sk-none", max_retries=0)
     try:
-        chat = await client.chat.completions.create(model="m", messages=[
+        chat = await client.chat.completions.create(model="standin-model", messages=[
             {"role": "user", "content": "hi"}])
         assert chat.choices[0].message.content.startswith("tok0 tok1")
         assert chat.usage.completion_tokens == 8
 
         parts = []
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+            model="standin-model", messages=[{"role": "user", "content": "hi"}], stream=True)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 parts.append(chunk.choices[0].delta.content)
         assert "".join(parts) == "".join(f"tok{i} " for i in range(8))
 
-        comp = await client.completions.create(model="m", prompt="say", max_tokens=4)
+        comp = await client.completions.create(model="standin-model", prompt="say", max_tokens=4)
         assert comp.choices[0].text.startswith("tok0")
         texts = [c.choices[0].text async for c in
-                 await client.completions.create(model="m", prompt="say", stream=True)]
+                 await client.completions.create(model="standin-model", prompt="say", stream=True)]
         assert "".join(texts).startswith("tok0 tok1")
         models = await client.models.list()
         assert [m.id for m in models.data] == ["standin-model"]

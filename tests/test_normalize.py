@@ -25,7 +25,7 @@ def normalizer(**cfg) -> Normalizer:
 
 
 def chat(system: str, user: str = USER, **extra) -> dict:
-    return {"model": "m", "messages": [{"role": "system", "content": system},
+    return {"model": "standin-model", "messages": [{"role": "system", "content": system},
                                        {"role": "user", "content": user}], **extra}
 
 

@@ -15,7 +15,7 @@ DYN = {e["id"]: e for e in CORPUS["dynamic"]}
 
 
 def chat(system: str, user: str = "hi", **extra) -> dict:
-    return {"model": "m", "messages": [{"role": "system", "content": system},
+    return {"model": "standin-model", "messages": [{"role": "system", "content": system},
                                        {"role": "user", "content": user}], **extra}
 
 
@@ -82,7 +82,7 @@ async def test_openai_sdk_sees_the_moved_header(make_standin, make_gateway):
     up, gw = await _setup(make_standin, make_gateway, move_to="system_tail")
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     raw = await client.chat.completions.with_raw_response.create(
-        model="m", messages=chat(DYN["en-many-fields"]["text"])["messages"])
+        model="standin-model", messages=chat(DYN["en-many-fields"]["text"])["messages"])
     assert raw.headers["x-prefixgate-moved"] == "3"
     assert raw.parse().choices[0].message.content
     msgs = up.requests[0]["json"]["messages"]

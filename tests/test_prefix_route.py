@@ -21,7 +21,7 @@ FAMILIES = [f"You are assistant number {i}. " + f"Family {i} rules: answer brief
 
 
 def body(system: str, user: str, **extra) -> dict:
-    return {"model": "m", "messages": [{"role": "system", "content": system},
+    return {"model": "standin-model", "messages": [{"role": "system", "content": system},
                                        {"role": "user", "content": user}], **extra}
 
 
@@ -74,7 +74,7 @@ async def test_cache_aware_follows_a_growing_conversation(make_standin, make_gat
             ups = []
             for turn in range(4):
                 msgs.append({"role": "user", "content": f"session {s} turn {turn}: " + "x" * 200})
-                _, up, route = await post(client, gw.url, {"model": "m", "messages": msgs})
+                _, up, route = await post(client, gw.url, {"model": "standin-model", "messages": msgs})
                 ups.append(up)
                 msgs.append({"role": "assistant", "content": "reply " * 30})
                 if turn:
@@ -195,7 +195,7 @@ async def test_token_ids_key_like_the_engine(make_standin, make_gateway):
                              "plugins": [{"prefix_route": {"prefix_blocks": 4}}]})
     async with aiohttp.ClientSession() as client:
         async with client.post(gw.url + "/v1/completions",
-                               json={"model": "m", "prompt": tokens}) as r:
+                               json={"model": "standin-model", "prompt": tokens}) as r:
             await r.read()
             route = r.headers["x-prefixgate-route"]
     assert f"key={chain[3]:016x}" in route and "blocks=4" in route
@@ -334,18 +334,18 @@ async def test_with_normalize_first_the_key_is_not_cut(make_standin, make_gatewa
 async def test_odd_bodies_route_without_errors(make_standin, make_gateway, policy):
     _, gw = await fleet(make_standin, make_gateway, 3, {"prefix_route": {"policy": policy}})
     odd = [
-        {"model": "m", "messages": [{"role": "user", "content": [
+        {"model": "standin-model", "messages": [{"role": "user", "content": [
             {"type": "text", "text": "x" * 300},
             {"type": "image_url", "image_url": {"url": "http://img/1.png"}}]}]},
-        {"model": "m", "messages": [{"role": "assistant", "content": None,
+        {"model": "standin-model", "messages": [{"role": "assistant", "content": None,
                                      "tool_calls": [{"id": "c1", "type": "function",
                                                      "function": {"name": "f", "arguments": "{}"}}]},
                                     {"role": "user", "content": "hi"}],
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        {"model": "m", "messages": [{"role": "user", "content": "short"}]},
-        {"model": "m", "prompt": [[5] * 40, [6] * 40]},
-        {"model": "m", "prompt": ["p" * 300, "q"]},
-        {"model": "m", "prompt": ""},
+        {"model": "standin-model", "messages": [{"role": "user", "content": "short"}]},
+        {"model": "standin-model", "prompt": [[5] * 40, [6] * 40]},
+        {"model": "standin-model", "prompt": ["p" * 300, "q"]},
+        {"model": "standin-model", "prompt": ""},
     ]
     async with aiohttp.ClientSession() as client:
         for payload in odd:

@@ -133,14 +133,14 @@ async def test_gateway_normalize_then_prerender_hits_the_prefix_cache(
                              "plugins": [{"normalize": {}}, {"prerender": {}}]})
     async with aiohttp.ClientSession() as client:
         for t in ("09:00:01", "09:00:07", "09:01:30"):
-            body = {"model": "m", "messages": [
+            body = {"model": "standin-model", "messages": [
                 {"role": "system", "content": f"Current time: 2026-03-15 {t}\n{SYSTEM}"},
                 {"role": "user", "content": "hi"}]}
             async with client.post(gw.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200 and r.headers["x-prefixgate-moved"] == "1"
         metrics = await (await client.get(gw.url + "/metrics")).text()
         # a request our template rendering rejects still goes on: the backend decides
-        odd = {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}
+        odd = {"model": "standin-model", "messages": [{"role": "wizard", "content": "x"}]}
         async with client.post(gw.url + "/v1/chat/completions", json=odd) as r:
             assert r.status == 200
         metrics_after = await (await client.get(gw.url + "/metrics")).text()
@@ -197,10 +197,10 @@ async def test_tokens_and_block_hashes_reach_the_context(
     async with aiohttp.ClientSession() as client:
         for messages in convs:
             async with client.post(gw.url + "/v1/chat/completions",
-                                   json={"model": "m", "messages": messages}) as r:
+                                   json={"model": "standin-model", "messages": messages}) as r:
                 assert r.status == 200
         async with client.post(gw.url + "/v1/completions",
-                               json={"model": "m", "prompt": "plain text prompt"}) as r:
+                               json={"model": "standin-model", "prompt": "plain text prompt"}) as r:
             assert r.status == 200
     expected = [_whole(tok, m) for m in convs[:2]] + [
         _whole(tok, CONVERSATIONS["one_turn"])] + [tok.encode("plain text prompt")]

@@ -42,7 +42,7 @@ def test_only_plain_chats_are_eligible():
     assert not eligible({**CHAT, "response_format": {"type": "json_object"}})
     assert not eligible({**CHAT, "logprobs": True})
     assert not eligible({**CHAT, "n": 2})
-    assert not eligible({"model": "m", "prompt": "x"})
+    assert not eligible({"model": "standin-model", "prompt": "x"})
     assert not eligible({**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}]}]})
     body = chat_to_completions(CHAT, [1, 2, 3])
@@ -131,7 +131,7 @@ async def test_gateway_forwards_tokens_and_answers_in_chat_form(server, model_di
 
 async def test_forward_tokens_leaves_tool_requests_in_chat_form(make_standin, make_gateway,
                                                                model_dir):
-    up = await make_standin()
+    up = await make_standin(model="tiny")
     gw = await make_gateway({"upstreams": [{"name": "a", "url": up.url, "forward": "tokens"}],
                              "model": {"tokenizer": str(model_dir)},
                              "plugins": [{"prerender": {}}]})

@@ -220,7 +220,8 @@ async def bench_ttft(model_dir, tokenizer, n: int) -> dict:
     from prefixgate.proxy.config import validate
     from prefixgate.proxy.server import start_app
 
-    engine = await start_server(["--model", str(model_dir)], host="127.0.0.1", port=0)
+    engine = await start_server(["--model", str(model_dir), "--served-model-name", "m"],
+                                host="127.0.0.1", port=0)
     out = {}
     try:
         async with aiohttp.ClientSession() as client:

@@ -34,17 +34,21 @@ POLICIES = {
 }
 
 
-def bench_pick(policy: str, upstreams: int, reqs, seed: int) -> list[float]:
+def bench_pick(policy: str, upstreams: int, reqs, seed: int, models: int = 1) -> list[float]:
+    """Decision times; with `models` > 1, upstream i serves model m{i % models} and request j
+    asks for m{j % models}, so the model filter runs before the scorers."""
     rng = random.Random(seed)
     gw = Gateway(validate({"upstreams": [{"name": f"u{i}", "url": f"http://10.0.{i // 250}.{i % 250}:8000",
-                                          "max_inflight": 10**6} for i in range(upstreams)],
+                                          "max_inflight": 10**6,
+                                          "models": [f"m{i % models}"]} for i in range(upstreams)],
                            "plugins": POLICIES[policy]}))
     hooks = gw.chain.on_first_byte
     times = []
-    for req in reqs:
+    for j, req in enumerate(reqs):
         for u in gw.upstreams:
             u.inflight = rng.randrange(0, 48)
-        ctx = RequestContext(request_id="", path="/v1/chat/completions", body={}, headers={})
+        ctx = RequestContext(request_id="", path="/v1/chat/completions", body={}, headers={},
+                             model=f"m{j % models}")
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain     # as prerender leaves them
         ctx.block_tokens = 16
         t0 = time.perf_counter()
@@ -81,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--upstreams", type=int, default=64)
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--models", type=int, default=1, help="models served (upstreams split "
+                   "evenly); more than 1 times the model filter too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="save results to this file")
     args = p.parse_args(argv)
@@ -88,14 +94,14 @@ def main(argv=None) -> int:
                                   long_tokens=(4000, 8000))))
     results = {}
     for policy in args.policies.split(","):
-        t = bench_pick(policy, args.upstreams, reqs, args.seed)
+        t = bench_pick(policy, args.upstreams, reqs, args.seed, args.models)
         warm = t[len(t) // 10:]                  # the first tenth warms the index
         results[policy] = {"pick_us_p50": _us(warm, 50), "pick_us_p99": _us(warm, 99)}
     base = results.get("round_robin", {}).get("pick_us_p50")
     for policy, r in results.items():
         ratio = f"  ({r['pick_us_p50'] / base:.1f}x round_robin)" if base else ""
         print(f"{policy:>22}: pick p50 {r['pick_us_p50']:6.1f} us  p99 {r['pick_us_p99']:6.1f} us"
-              f"{ratio}  at {args.upstreams} upstreams")
+              f"{ratio}  at {args.upstreams} upstreams x {args.models} model(s)")
     keys = bench_keys(reqs[:2000])
     print(f"{'keys':>22}: token chain p50 {keys['token_chain_us_p50']:.1f} us, text chain p50 "
           f"{keys['text_chain_us_p50']:.1f} us (median prompt {keys['prompt_tokens_p50']:.0f} tokens)")

@@ -115,7 +115,7 @@ class Tally:
 async def one_request(client, url, rng: random.Random, tally: Tally, args) -> None:
     tokens = rng.randint(4, args.max_tokens)
     nonce = uuid.uuid4().hex
-    body = {"model": "m", "stream": True,
+    body = {"model": "standin-model", "stream": True,
             "messages": [{"role": "user", "content": "soak " * rng.randint(1, 200)}],
             "x_standin": {"tokens": tokens, "model": nonce,
                           "gap": rng.random() * args.gap_ms / 1000}}
