@@ -238,6 +238,9 @@ class Gateway:
         if kind == "none":
             return
         if kind == "multipart":
+            if (request.content_length or 0) > limits["max_body_bytes"]:
+                raise HTTPError(413, f"request body exceeds limits.max_body_bytes "
+                                f"({limits['max_body_bytes']} bytes)", code="body_too_large")
             boundary = multipart.boundary_of(request.headers.get("Content-Type", ""))
             if boundary is None:
                 raise HTTPError(400, "expected a multipart/form-data body with a boundary",
@@ -252,6 +255,7 @@ class Gateway:
                 raise HTTPError(408, "request body not received in time",
                                 code="request_timeout", headers={"Connection": "close"}) from None
             self._set_model(ctx, fields.get("model"), rewrite=False)
+            ctx.stream = fields.get("stream") == "true"
             return
         ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
         if kind == "raw":          # passthrough: routed by a JSON model when there is one
@@ -260,6 +264,7 @@ class Gateway:
             except HTTPError:
                 return
             self._set_model(ctx, ctx.body.get("model"), rewrite=False)
+            ctx.stream = ctx.body.get("stream") is True
             return
         ctx.body = parse_json_object(ctx.raw_body)
         guard.check_depth(ctx.body, limits["max_json_depth"])
@@ -292,7 +297,8 @@ class Gateway:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
         data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
         if ctx.endpoint.body == "multipart":
-            data = multipart.iter_body(ctx.raw_body, request.content)
+            data = capped(multipart.iter_body(ctx.raw_body, request.content),
+                          self.config["limits"]["max_body_bytes"])
         tried: list[Upstream] = []
         while True:
             ctx.attempts += 1
@@ -556,3 +562,14 @@ def upstream_path(endpoint: Endpoint, request: web.Request) -> str:
     return endpoint.path.format(**{k: quote(v, safe="")
                                    for k, v in request.match_info.items()})
 
+
+async def capped(chunks, limit: int):
+    """The upload's chunks, ended with a 413 once they pass `limits.max_body_bytes` (a chunked
+    upload announces no length to check up front)."""
+    sent = 0
+    async for chunk in chunks:
+        sent += len(chunk)
+        if sent > limit:
+            raise HTTPError(413, f"request body exceeds limits.max_body_bytes ({limit} bytes)",
+                            code="body_too_large")
+        yield chunk

@@ -1,6 +1,10 @@
 """A stand-in OpenAI-compatible upstream that streams SSE like vLLM.
 
-Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. It records what it
+Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. Besides chat and
+completions it serves the rest of vLLM's OpenAI-compatible surface (embeddings, the Responses
+API, rerank, score, tokenize, audio uploads ...: proxy/testing/surface.py) and SGLang's
+/generate. With `models` or `lora` set it serves only those ids, listed in /v1/models as vLLM
+lists them (adapters with their `parent`), and answers others with vLLM's 404. It records what it
 received, counts TCP connections and aborted streams, and can be slowed down or made to
 misbehave. Per-request behaviour can be overridden with a vendor field in the request body,
 `"x_standin": {"gap": 0.3, ...}` (which also proves that unknown fields pass through).
@@ -22,6 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from prefixgate.proxy.server import install_uvloop, start_app
+from prefixgate.proxy.testing.surface import Surface, answer_model, model_cards, model_not_found
 
 
 @dataclass
@@ -38,10 +43,15 @@ class Behaviour:
     # backend with/without a prefix cache, exposing vLLM's prefix-cache counters
     prefix_cache: bool | None = None
     prefill_per_token: float = 0.0   # seconds per uncached prompt token, added to first_delay
+    # the model ids served (None: just `model`, and any requested model is answered); set (or
+    # `lora` set), /v1/models lists them and a request naming another one gets vLLM's 404.
+    # Both are read per request, so a test may change them while the stand-in runs.
+    models: list[str] | None = None
+    lora: dict[str, str] = field(default_factory=dict)   # LoRA adapter id -> its base model id
 
 
 @dataclass
-class StandIn:
+class StandIn(Surface):
     behaviour: Behaviour = field(default_factory=Behaviour)
     requests: list = field(default_factory=list)
     connections: int = 0
@@ -50,6 +60,8 @@ class StandIn:
     running: int = 0
     url: str = ""
     cache: "PrefixCacheModel" = field(default_factory=lambda: PrefixCacheModel())
+    responses: dict = field(default_factory=dict)     # Responses API: id -> response (in memory)
+    _background: dict = field(default_factory=dict)   # id -> task of a `background` response
     _peers: set = field(default_factory=set)      # client (host, port): one per connection
     _runner: web.AppRunner | None = None
 
@@ -60,6 +72,7 @@ class StandIn:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        self.add_surface(app)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "StandIn":
@@ -67,6 +80,8 @@ class StandIn:
         return self
 
     async def stop(self) -> None:
+        for task in list(self._background.values()):
+            task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -76,15 +91,28 @@ class StandIn:
             self._peers.add(peer)
             self.connections += 1
 
+    def _behaviour(self, body: dict | None) -> Behaviour:
+        """The behaviour for one request: the stand-in's, with the body's `x_standin`."""
+        overrides = (body or {}).get("x_standin") or {}
+        if not isinstance(overrides, dict):
+            return self.behaviour
+        known = {f.name for f in fields(Behaviour)}
+        return replace(self.behaviour, **{k: v for k, v in overrides.items() if k in known})
+
+    def _record(self, request: web.Request, body, b: Behaviour, **extra) -> None:
+        if b.record:
+            self.requests.append({"path": request.path, "json": body,
+                                  "headers": CIMultiDict(request.headers), "t": time.monotonic(),
+                                  **extra})
+
     async def completion(self, request: web.Request) -> web.StreamResponse:
         self._count_connection(request)
         body = await request.json()
-        overrides = body.get("x_standin") or {}
-        known = {f.name for f in fields(Behaviour)}
-        b = replace(self.behaviour, **{k: v for k, v in overrides.items() if k in known})
-        if b.record:
-            self.requests.append({"path": request.path, "json": body,
-                                  "headers": CIMultiDict(request.headers), "t": time.monotonic()})
+        b = self._behaviour(body)
+        self._record(request, body, b)
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        b = replace(b, model=answer_model(b, body.get("model")))
         if b.fail == "status":
             return web.json_response({"error": {"message": "stand-in failure", "type":
                                                 "server_error", "code": None}}, status=b.status)
@@ -148,8 +176,7 @@ class StandIn:
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.behaviour.model, "object": "model", "owned_by": "standin"}]})
+        return web.json_response({"object": "list", "data": model_cards(self.behaviour)})
 
     async def health(self, request):
         return web.Response(text="ok")

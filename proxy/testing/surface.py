@@ -1,0 +1,593 @@
+"""The stand-in's OpenAI-compatible surface beyond chat and completions, shaped like vLLM's.
+
+`Surface` is mixed into `StandIn` (proxy/testing/standin.py): embeddings, the Responses API
+(whole, streamed and in the background, kept in memory like vLLM's response store), rerank,
+score, tokenize/detokenize, moderations (OpenAI's shape: vLLM has none), audio transcriptions
+and translations (multipart/form-data, with the file part's and the whole body's sha256
+recorded so tests can prove an upload arrived byte for byte), and SGLang's native /generate
+for passthrough tests. The JSON shapes follow vLLM's protocol models:
+vllm/entrypoints/openai/engine/protocol.py (ErrorResponse, ModelCard, ModelPermission,
+UsageInfo), vllm/entrypoints/openai/models/serving.py (/v1/models, LoRA cards),
+vllm/entrypoints/openai/engine/serving.py (_check_model's 404),
+vllm/entrypoints/pooling/embed/protocol.py, vllm/entrypoints/pooling/score/protocol.py,
+vllm/entrypoints/openai/responses/{protocol,serving,simple_streaming_events,api_router}.py,
+and the tokenize and transcription models of vllm/entrypoints/openai/protocol.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import struct
+import time
+import uuid
+from dataclasses import replace
+
+from aiohttp import MultipartReader, web
+from aiohttp.streams import StreamReader
+
+MAX_MODEL_LEN = 4096
+MODERATION_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening",
+                         "illicit", "illicit/violent", "self-harm", "self-harm/intent",
+                         "self-harm/instructions", "sexual", "sexual/minors", "violence",
+                         "violence/graphic")
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex                # vLLM's vllm.utils.random_uuid
+
+
+# --- models ----------------------------------------------------------------------------------
+def strict(b) -> bool:
+    """Does this stand-in check the request's model? Only with `models` or `lora` set: a
+    default stand-in answers any model, as it always has."""
+    return b.models is not None or bool(b.lora)
+
+
+def base_models(b) -> list[str]:
+    return list(b.models) if b.models is not None else [b.model]
+
+
+def served(b) -> list[str]:
+    return base_models(b) + list(b.lora)
+
+
+def answer_model(b, model) -> str:
+    """The model an answer names: the one asked for (a LoRA adapter's own id, as vLLM says),
+    else the first base model."""
+    if strict(b) and isinstance(model, str) and model:
+        return model
+    return base_models(b)[0] if strict(b) else b.model
+
+
+def vllm_error(message: str, status: int, err_type: str, param: str | None = None
+               ) -> web.Response:
+    """vLLM's ErrorResponse: {"error": {"message", "type", "param", "code": <status>}}."""
+    return web.json_response({"error": {"message": message, "type": err_type, "param": param,
+                                        "code": status}}, status=status)
+
+
+def model_not_found(b, model) -> web.Response | None:
+    """vLLM's _check_model: None (no model: the default one) or a served id passes."""
+    if not strict(b) or model is None or model in served(b):
+        return None
+    return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+
+def model_cards(b) -> list[dict]:
+    """/v1/models as vLLM lists it: the base models, then each LoRA adapter with its parent."""
+    now = int(time.time())
+
+    def card(model_id, root, parent, max_len):
+        return {"id": model_id, "object": "model", "created": now, "owned_by": "vllm",
+                "root": root, "parent": parent, "max_model_len": max_len,
+                "permission": [{"id": f"modelperm-{random_uuid()}", "object": "model_permission",
+                                "created": now, "allow_create_engine": False,
+                                "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+    bases = base_models(b)
+    return ([card(m, m, None, MAX_MODEL_LEN) for m in bases]
+            + [card(name, f"/adapters/{name}", parent or bases[0], None)
+               for name, parent in b.lora.items()])
+
+
+# --- small helpers -----------------------------------------------------------------------------
+def _tokens_of(text: str) -> int:
+    return max(1, len(text) // 4)
+
+
+def _texts(value) -> list[str]:
+    """A str | list[str] | list[int] | list[list[int]] input as a list of texts."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return [json.dumps(value)]
+    if isinstance(value, list):
+        return [v if isinstance(v, str) else json.dumps(v) for v in value]
+    return [json.dumps(value)]
+
+
+def _vector(text: str, dims: int) -> list[float]:
+    out, counter = [], 0
+    while len(out) < dims:
+        digest = hashlib.sha256(f"{counter}:{text}".encode()).digest()
+        out += [round(x / 32768 - 1.0, 6) for x in struct.unpack("<16H", digest)]
+        counter += 1
+    return out[:dims]
+
+
+def _relevance(query: str, doc: str) -> float:
+    """A deterministic score in (0, 1): the share of words in common, a hash breaking ties."""
+    q, d = set(query.lower().split()), set(doc.lower().split())
+    tie = int(hashlib.sha256((query + "\0" + doc).encode()).hexdigest()[:4], 16) / 65536
+    return round((len(q & d) + tie / 100) / (len(q | d) + 1), 6)
+
+
+def _sse(event: dict) -> bytes:
+    """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events)."""
+    return (f"event: {event['type']}\ndata: ".encode()
+            + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+
+
+class _Replayed:
+    """The flow-control side of a StreamReader that replays bytes already read."""
+    connected = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+def _replay(raw: bytes) -> StreamReader:
+    reader = StreamReader(_Replayed(), max(len(raw), 2 ** 16), loop=asyncio.get_running_loop())
+    reader.feed_data(raw)
+    reader.feed_eof()
+    return reader
+
+
+class Surface:
+    """vLLM's other endpoints, for `StandIn` (uses its behaviour, _behaviour, _record,
+    _count_connection, responses, running, completed, aborted and _background)."""
+
+    def add_surface(self, app: web.Application) -> None:
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
+        for path in ("/v1/rerank", "/rerank"):
+            app.router.add_post(path, self.rerank)
+        for path in ("/v1/score", "/score"):
+            app.router.add_post(path, self.score)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/moderations", self.moderations)
+        app.router.add_post("/v1/audio/transcriptions", self.audio)
+        app.router.add_post("/v1/audio/translations", self.audio)
+        app.router.add_post("/generate", self.sglang_generate)
+
+    async def _json_request(self, request: web.Request):
+        """(body, behaviour) after counting and recording, or (None, error response)."""
+        self._count_connection(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return None, vllm_error("request body must be a JSON object", 400, "BadRequestError")
+        b = self._behaviour(body)
+        self._record(request, body, b)
+        if b.fail == "status":
+            return None, vllm_error("stand-in failure", b.status, "InternalServerError")
+        if b.fail == "hang":
+            await asyncio.sleep(3600)
+        return body, b
+
+    # --- embeddings ------------------------------------------------------------------------
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        if "input" not in body and "messages" not in body:
+            return vllm_error("'input' is required", 400, "BadRequestError", "input")
+        texts = _texts(body.get("input", body.get("messages")))
+        dims = body.get("dimensions") or 8
+        data = []
+        for i, text in enumerate(texts):
+            vec = _vector(text, dims)
+            if body.get("encoding_format") == "base64":
+                vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"index": i, "object": "embedding", "embedding": vec})
+        prompt = sum(_tokens_of(t) for t in texts)
+        await asyncio.sleep(b.first_delay)
+        return web.json_response({
+            "id": f"embd-{random_uuid()}", "object": "list", "created": int(time.time()),
+            "model": answer_model(b, body.get("model")), "data": data,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0,
+                      "prompt_tokens_details": None}})
+
+    # --- the Responses API -------------------------------------------------------------------
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.responses:
+            return _response_not_found(previous)
+        if "input" not in body:
+            return vllm_error("'input' is required", 400, "BadRequestError", "input")
+        limit = body.get("max_output_tokens")
+        tokens = min(b.tokens, limit) if isinstance(limit, int) and limit > 0 else b.tokens
+        b = replace(b, tokens=tokens)
+        rid, item_id = f"resp_{random_uuid()}", f"msg_{random_uuid()}"
+        prompt = sum(_tokens_of(t) for t in _texts(body["input"]))
+        resp = _response(rid, body, answer_model(b, body.get("model")), "in_progress", [])
+        store = body.get("store", True) is not False
+        if store:
+            self.responses[rid] = resp
+        if body.get("background"):
+            if not store:
+                return vllm_error("background can only be used when `store` is true", 400,
+                                  "BadRequestError", "background")
+            resp["status"] = "queued"
+            task = asyncio.get_running_loop().create_task(self._generate(b, resp, item_id, prompt))
+            self._background[rid] = task
+            task.add_done_callback(lambda _t: self._background.pop(rid, None))
+            return web.json_response(resp)
+        self.running += 1
+        try:
+            if body.get("stream"):
+                return await self._stream_response(request, b, resp, item_id, prompt)
+            await self._generate(b, resp, item_id, prompt)
+            return web.json_response(resp)
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _generate(self, b, resp: dict, item_id: str, prompt: int) -> None:
+        """Fill in `resp` as a finished generation (in place: the stored one too)."""
+        resp["status"] = "in_progress"
+        await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
+        _finish(resp, item_id, _text(b), prompt, b.tokens)
+        self.completed += 1
+
+    async def _stream_response(self, request, b, resp: dict, item_id: str,
+                               prompt: int) -> web.StreamResponse:
+        """vLLM's simple (non-harmony) event sequence, numbered by `sequence_number`."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        seq = iter(range(1 << 30))
+
+        async def send(event: dict) -> None:
+            event["sequence_number"] = next(seq)
+            await out.write(_sse(event))
+        head = json.loads(json.dumps(resp))          # as it stood when the stream began
+        await send({"response": head, "type": "response.created"})
+        await send({"response": head, "type": "response.in_progress"})
+        await send({"item": _message(item_id, None), "output_index": 0,
+                    "type": "response.output_item.added"})
+        await send({"content_index": 0, "item_id": item_id, "output_index": 0,
+                    "part": {"annotations": [], "text": "", "type": "output_text",
+                             "logprobs": []}, "type": "response.content_part.added"})
+        if b.first_delay:
+            await asyncio.sleep(b.first_delay)
+        for i in range(b.tokens):
+            if b.fail == "reset_after" and i == b.fail_after:
+                request.transport.close()
+                return out
+            if i and b.gap:
+                await asyncio.sleep(b.gap)
+            await send({"content_index": 0, "delta": f"tok{i} ", "item_id": item_id,
+                        "logprobs": [], "output_index": 0, "type": "response.output_text.delta"})
+        text = _text(b)
+        _finish(resp, item_id, text, prompt, b.tokens)
+        await send({"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": 0,
+                    "text": text, "type": "response.output_text.done"})
+        await send({"content_index": 0, "item_id": item_id, "output_index": 0,
+                    "part": {"annotations": [], "text": text, "type": "output_text"},
+                    "type": "response.content_part.done"})
+        await send({"item": _message(item_id, text), "output_index": 0,
+                    "type": "response.output_item.done"})
+        await send({"response": resp, "type": "response.completed"})
+        await out.write_eof()
+        self.completed += 1
+        return out
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        self._count_connection(request)
+        rid = request.match_info["response_id"]
+        self._record(request, None, self.behaviour)
+        if not rid.startswith("resp"):
+            return _invalid_response_id(rid)
+        resp = self.responses.get(rid)
+        return web.json_response(resp) if resp is not None else _response_not_found(rid)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        self._count_connection(request)
+        rid = request.match_info["response_id"]
+        self._record(request, None, self.behaviour)
+        if not rid.startswith("resp"):
+            return _invalid_response_id(rid)
+        resp = self.responses.get(rid)
+        if resp is None:
+            return _response_not_found(rid)
+        if resp["status"] not in ("queued", "in_progress"):
+            return vllm_error("Cannot cancel a synchronous response.", 400,
+                              "invalid_request_error", "response_id")
+        resp["status"] = "cancelled"
+        task = self._background.pop(rid, None)
+        if task is not None:
+            task.cancel()
+        return web.json_response(resp)
+
+    # --- scoring -----------------------------------------------------------------------------
+    async def rerank(self, request: web.Request) -> web.Response:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        query, docs = body.get("query"), body.get("documents")
+        if not isinstance(query, str) or not isinstance(docs, list):
+            return vllm_error("'query' (a string) and 'documents' (a list) are required", 400,
+                              "BadRequestError")
+        docs = [d if isinstance(d, str) else json.dumps(d) for d in docs]
+        results = sorted(({"index": i, "document": {"text": d},
+                           "relevance_score": _relevance(query, d)} for i, d in enumerate(docs)),
+                         key=lambda r: -r["relevance_score"])
+        top_n = body.get("top_n") or 0
+        if top_n > 0:
+            results = results[:top_n]
+        return web.json_response({
+            "id": f"rerank-{random_uuid()}", "model": answer_model(b, body.get("model")),
+            "usage": {"total_tokens": sum(_tokens_of(query + d) for d in docs)},
+            "results": results})
+
+    async def score(self, request: web.Request) -> web.Response:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        if "text_1" not in body or "text_2" not in body:
+            return vllm_error("'text_1' and 'text_2' are required", 400, "BadRequestError")
+        left, right = _texts(body["text_1"]), _texts(body["text_2"])
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right):
+            return vllm_error("text_1 and text_2 must have the same length", 400,
+                              "BadRequestError")
+        pairs = list(zip(left, right))
+        tokens = sum(_tokens_of(a + b_) for a, b_ in pairs)
+        return web.json_response({
+            "id": f"score-{random_uuid()}", "object": "list", "created": int(time.time()),
+            "model": answer_model(b, body.get("model")),
+            "data": [{"index": i, "object": "score", "score": _relevance(a, b_)}
+                     for i, (a, b_) in enumerate(pairs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}})
+
+    # --- tokenizer -----------------------------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """One token per UTF-8 byte, so /detokenize inverts it exactly."""
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        if isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        elif isinstance(body.get("messages"), list):
+            text = "".join(f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
+                           if isinstance(m, dict))
+        else:
+            return vllm_error("'prompt' or 'messages' is required", 400, "BadRequestError")
+        tokens = list(text.encode())
+        strs = [bytes([t]).decode("latin-1") for t in tokens] if body.get(
+            "return_token_strs") else None
+        return web.json_response({"count": len(tokens), "max_model_len": MAX_MODEL_LEN,
+                                  "tokens": tokens, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and 0 <= t < 256 for t in tokens):
+            return vllm_error("'tokens' must be a list of token ids", 400, "BadRequestError",
+                              "tokens")
+        return web.json_response({"prompt": bytes(tokens).decode("utf-8", "replace")})
+
+    # --- moderations (OpenAI's shape) ----------------------------------------------------------
+    async def moderations(self, request: web.Request) -> web.Response:
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        if (err := model_not_found(b, body.get("model"))) is not None:
+            return err
+        results = []
+        for text in _texts(body.get("input", "")):
+            hit = "attack" in text.lower()
+            results.append({
+                "flagged": hit,
+                "categories": {c: hit and c == "violence" for c in MODERATION_CATEGORIES},
+                "category_scores": {c: 0.9 if hit and c == "violence" else 0.0001
+                                    for c in MODERATION_CATEGORIES},
+                "category_applied_input_types": {c: ["text"] for c in MODERATION_CATEGORIES}})
+        return web.json_response({"id": f"modr-{random_uuid()}",
+                                  "model": answer_model(b, body.get("model")),
+                                  "results": results})
+
+    # --- audio ---------------------------------------------------------------------------------
+    async def audio(self, request: web.Request) -> web.StreamResponse:
+        """Transcriptions and translations: the form read with aiohttp's multipart reader
+        over the raw body (kept, so its sha256 is recorded next to the file part's)."""
+        self._count_connection(request)
+        raw = await request.read()
+        entry = {"body_sha256": hashlib.sha256(raw).hexdigest(), "body_size": len(raw),
+                 "parts": [], "form": {}, "file": None}
+        try:
+            reader = MultipartReader(request.headers, _replay(raw))
+            while (part := await reader.next()) is not None:
+                entry["parts"].append(part.name)
+                if part.filename is None:
+                    entry["form"][part.name] = await part.text()
+                    continue
+                digest, size = hashlib.sha256(), 0
+                while chunk := await part.read_chunk(64 * 1024):
+                    digest.update(chunk)
+                    size += len(chunk)
+                entry["file"] = {"field": part.name, "filename": part.filename,
+                                 "content_type": part.headers.get("Content-Type"),
+                                 "size": size, "sha256": digest.hexdigest()}
+        except (ValueError, AssertionError, RuntimeError) as e:
+            self._record(request, None, self.behaviour, **entry)
+            return vllm_error(f"invalid multipart body: {e}", 400, "BadRequestError")
+        b = self.behaviour
+        self._record(request, None, b, **entry)
+        form = entry["form"]
+        if (err := model_not_found(b, form.get("model"))) is not None:
+            return err
+        if entry["file"] is None:
+            return vllm_error("'file' is required", 400, "BadRequestError", "file")
+        model = answer_model(b, form.get("model"))
+        size = entry["file"]["size"]
+        text = f"heard {size} bytes: " + _text(b).strip()
+        seconds = max(1, size // 32000)           # 16 kHz, 16-bit mono
+        if form.get("stream", "").lower() == "true":
+            return await self._stream_audio(request, b, model, form)
+        await asyncio.sleep(b.first_delay)
+        if form.get("response_format") == "text":
+            return web.Response(text=text)
+        if request.path.endswith("translations"):
+            return web.json_response({"text": text})
+        return web.json_response({"text": text, "usage": {"type": "duration",
+                                                          "seconds": seconds}})
+
+    async def _stream_audio(self, request, b, model: str, form: dict) -> web.StreamResponse:
+        """vLLM's speech-to-text stream: transcription.chunk deltas, then [DONE]."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        rid, created = f"trsc-{random_uuid()}", int(time.time())
+        kind = "translation" if request.path.endswith("translations") else "transcription"
+        if b.first_delay:
+            await asyncio.sleep(b.first_delay)
+        for i in range(b.tokens):
+            if i and b.gap:
+                await asyncio.sleep(b.gap)
+            last = i == b.tokens - 1
+            chunk = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
+                     "choices": [{"delta": {"content": f"tok{i} "},
+                                  "finish_reason": "length" if last else None,
+                                  "stop_reason": None}]}
+            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if form.get("stream_include_usage", "").lower() == "true":
+            usage = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
+                     "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": b.tokens,
+                                              "total_tokens": 1 + b.tokens}}
+            await out.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    # --- SGLang's native /generate (for passthrough) -----------------------------------------
+    async def sglang_generate(self, request: web.Request) -> web.StreamResponse:
+        """{"text", "sampling_params", "stream"} -> {"text", "meta_info"}; streamed as SGLang
+        does: each event carries the text so far, then [DONE]."""
+        body, b = await self._json_request(request)
+        if body is None:
+            return b
+        params = body.get("sampling_params") or {}
+        limit = params.get("max_new_tokens")
+        b = replace(b, tokens=min(b.tokens, limit) if isinstance(limit, int) and limit > 0
+                    else b.tokens)
+        prompt = body.get("text") if isinstance(body.get("text"), str) else json.dumps(
+            body.get("input_ids"))
+        rid, started = random_uuid(), time.monotonic()
+
+        def answer(n: int, done: bool) -> dict:
+            return {"text": "".join(f"tok{i} " for i in range(n)), "meta_info": {
+                "id": rid, "finish_reason": {"type": "length", "length": b.tokens} if done
+                else None, "prompt_tokens": _tokens_of(prompt), "completion_tokens": n,
+                "cached_tokens": 0, "e2e_latency": round(time.monotonic() - started, 6)}}
+        if not body.get("stream"):
+            await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
+            return web.json_response(answer(b.tokens, True))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        if b.first_delay:
+            await asyncio.sleep(b.first_delay)
+        for i in range(1, b.tokens + 1):
+            if i > 1 and b.gap:
+                await asyncio.sleep(b.gap)
+            await out.write(b"data: " + json.dumps(answer(i, i == b.tokens)).encode()
+                            + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def _text(b) -> str:
+    return "".join(f"tok{i} " for i in range(b.tokens))
+
+
+def _message(item_id: str, text: str | None) -> dict:
+    """An assistant output message: in progress (no text yet) or completed."""
+    content = [] if text is None else [{"annotations": [], "text": text, "type": "output_text",
+                                        "logprobs": None}]
+    return {"id": item_id, "content": content, "role": "assistant",
+            "status": "in_progress" if text is None else "completed", "type": "message"}
+
+
+def _response(rid: str, body: dict, model: str, status: str, output: list) -> dict:
+    """vLLM's ResponsesResponse, `id` first (as pydantic dumps it: the gateway finds it
+    there in a stream's head)."""
+    return {"id": rid, "created_at": int(time.time()), "incomplete_details": None,
+            "instructions": body.get("instructions"), "metadata": body.get("metadata"),
+            "model": model, "object": "response", "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature", 1.0), "tool_choice":
+            body.get("tool_choice", "auto"), "tools": body.get("tools", []),
+            "top_p": body.get("top_p", 1.0), "background": bool(body.get("background")),
+            "max_output_tokens": body.get("max_output_tokens") or MAX_MODEL_LEN,
+            "max_tool_calls": body.get("max_tool_calls"),
+            "previous_response_id": body.get("previous_response_id"), "prompt": None,
+            "reasoning": None, "service_tier": body.get("service_tier", "auto"),
+            "status": status, "text": None, "top_logprobs": None, "truncation": "disabled",
+            "usage": None, "user": body.get("user")}
+
+
+def _finish(resp: dict, item_id: str, text: str, prompt: int, tokens: int) -> None:
+    if resp["status"] == "cancelled":
+        return
+    resp.update(status="completed", output=[_message(item_id, text)], usage={
+        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + tokens})
+
+
+def _response_not_found(rid: str) -> web.Response:
+    return vllm_error(f"Response with id '{rid}' not found.", 404, "invalid_request_error",
+                      "response_id")
+
+
+def _invalid_response_id(rid: str) -> web.Response:
+    return vllm_error(f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'.",
+                      400, "invalid_request_error", "response_id")
+
