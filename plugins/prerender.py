@@ -1,9 +1,13 @@
 """Plugin `prerender`: render the chat template and tokenize in the gateway, caching the prefix.
 
-With `model.tokenizer` configured, every chat request is rendered with the model's own chat
-template (`prefixgate.backend.tokenizer`, jinja2 sandbox, HF semantics) and tokenized, so the
-router can key on the exact token blocks the engine's prefix cache will see
-(`ctx.tokens`, `ctx.block_hashes`, `ctx.block_tokens`).
+Every chat request is rendered with its model's own chat template (`prefixgate.backend.tokenizer`,
+jinja2 sandbox, HF semantics) and tokenized, so the router can key on the exact token blocks
+the engine's prefix cache will see (`ctx.tokens`, `ctx.block_hashes`, `ctx.block_tokens`).
+The tokenizer is the request's model's: `models.<name>.tokenizer` for `ctx.model`, else the
+`*` entry's (or the single `model.tokenizer`), else — for a request naming no model — the only
+entry there is (`proxy.config.model_settings`). One tokenizer and prefix cache per entry, all
+loaded at start-up; a request whose model has no tokenizer passes through untouched. Block
+hashes are rooted per model as `prefix_keys.ModelRoots` says, like prefix_route's.
 
 Tokenizing a 10k-token system prompt on every request would cost milliseconds, so the static
 prefix — the leading system messages and the tools — is rendered and tokenized once and
@@ -26,11 +30,12 @@ from dataclasses import dataclass
 import xxhash
 from prometheus_client import Counter
 
+from prefixgate.proxy.config import ANY_MODEL
 from prefixgate.proxy.spec import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
-from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
+from prefixgate.plugins.prefix_keys import ROOT_HASH, ModelRoots, block_hash_chain, prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)
@@ -109,9 +114,12 @@ class PromptCache:
             n += 1
         return n
 
-    def key(self, messages: list, n: int, tools, kwargs: dict) -> int:
-        """xxhash of what the prefix rendering depends on: the prefix messages, tools, options."""
+    def key(self, messages: list, n: int, tools, kwargs: dict, root: int = ROOT_HASH) -> int:
+        """xxhash of what the prefix rendering depends on: the prefix messages, tools, options
+        (and the chain's root: a prefix's cached hashes hold only under the root they had)."""
         h = xxhash.xxh3_64()
+        if root != ROOT_HASH:
+            h.update(root.to_bytes(8, "little"))
         for m in messages[:n]:
             content = m.get("content")
             if len(m) == 2 and isinstance(m.get("role"), str):    # the common {role, content}
@@ -127,46 +135,50 @@ class PromptCache:
             h.update(json.dumps([tools, kwargs], sort_keys=True).encode())
         return h.intdigest()
 
-    def lookup(self, messages: list, tools=None, kwargs: dict | None = None):
+    def lookup(self, messages: list, tools=None, kwargs: dict | None = None,
+               root: int = ROOT_HASH):
         """(prefix message count, cache key, cached prefix or None) for a request."""
         n = self.prefix_len(messages)
         if n == 0 and not tools:
             return 0, None, None
-        key = self.key(messages, n, tools, kwargs or {})
+        key = self.key(messages, n, tools, kwargs or {}, root)
         return n, key, self.entries.peek(key)     # render() touches a hit's recency
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = True,
-               kwargs: dict | None = None, looked=None) -> Rendered:
+               kwargs: dict | None = None, looked=None, root: int = ROOT_HASH) -> Rendered:
+        """`root`: the parent of the chain's first block (`prefix_keys.ModelRoots`); a
+        `looked` from lookup() must have been made with the same root."""
         kwargs = kwargs or {}
         full = self.tok.apply_chat_template(messages, tools=tools,
                                             add_generation_prompt=add_generation_prompt, **kwargs)
-        n, key, entry = looked or self.lookup(messages, tools, kwargs)
+        n, key, entry = looked or self.lookup(messages, tools, kwargs, root)
         if key is None:
-            return self._whole(full, "none")
+            return self._whole(full, "none", root)
         if entry is not None:
             self.entries.move_to_end(key)
             if entry.text and full.startswith(entry.text):
-                return self._split(full, entry)
+                return self._split(full, entry, root)
             if not entry.text:
-                return self._whole(full, "unsplittable")
-        return self._learn(key, full, messages[:n], tools, kwargs)
+                return self._whole(full, "unsplittable", root)
+        return self._learn(key, full, messages[:n], tools, kwargs, root)
 
-    def _whole(self, full: str, how: str) -> Rendered:
+    def _whole(self, full: str, how: str, root: int = ROOT_HASH) -> Rendered:
         ids = self.encode(full)
-        return Rendered(full, ids, block_hash_chain(ids, self.block_tokens), how)
+        return Rendered(full, ids, block_hash_chain(ids, self.block_tokens, parent=root), how)
 
-    def _split(self, full: str, entry: Prefix) -> Rendered:
+    def _split(self, full: str, entry: Prefix, root: int = ROOT_HASH) -> Rendered:
         tail = self.encode(full[len(entry.text):])
         ids = entry.ids + tail
         done = len(entry.hashes) * self.block_tokens
-        parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
+        parent = entry.hashes[-1] if entry.hashes else root
         return Rendered(full, ids, entry.hashes + block_hash_chain(
             ids[done:], self.block_tokens, parent=parent), "hit",
                         len(entry.ids))
 
-    def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs) -> Rendered:
+    def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs,
+               root: int = ROOT_HASH) -> Rendered:
         """A miss: tokenize the whole prompt, and cache the prefix if its split verifies."""
-        whole = self._whole(full, "miss")
+        whole = self._whole(full, "miss", root)
         entry = Prefix("", [], [])
         text = self._prefix_text(prefix_msgs, tools, kwargs)
         if text and full.startswith(text):
@@ -195,21 +207,37 @@ class Prerender(Plugin):
     name = "prerender"
     spec = {
         "block_tokens": Key(int, 16, positive),        # the engine's KV block size
-        "cache_entries": Key(int, 256, positive),      # distinct prefixes remembered
+        "cache_entries": Key(int, 256, positive),      # distinct prefixes remembered per model
         "inline_chars": Key(int, 8192, non_negative),  # larger uncached work goes to a thread
     }
 
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
         from prefixgate.backend.tokenizer import Tokenizer, TokenizerLoadError
-        path = gw.config["model"]["tokenizer"]
-        if not path:
-            raise ConfigError("", "needs `model.tokenizer` (a directory with tokenizer.json)")
-        try:
-            tok = Tokenizer.from_dir(path)
-        except TokenizerLoadError as e:
-            raise ConfigError("", f"model.tokenizer: {e}") from None
-        self.cache = PromptCache(tok, self.cfg["block_tokens"], self.cfg["cache_entries"])
+        models = gw.config.get("models") or {}
+        loaded: dict[str, object] = {}            # one Tokenizer per directory
+        # every `models:` entry, with its PromptCache (None: that model has no tokenizer)
+        self.caches: dict[str, PromptCache | None] = {}
+        for name, entry in models.items():
+            path = entry.get("tokenizer")
+            if not path:
+                self.caches[name] = None
+                continue
+            tok = loaded.get(path)
+            if tok is None:
+                try:
+                    tok = loaded[path] = Tokenizer.from_dir(path)
+                except TokenizerLoadError as e:
+                    raise ConfigError("", f"models.{name}.tokenizer: {e}") from None
+            self.caches[name] = PromptCache(tok, self.cfg["block_tokens"],
+                                            self.cfg["cache_entries"])
+        if not loaded:
+            raise ConfigError("", "needs `model.tokenizer` or `models.<name>.tokenizer` (a "
+                                  "directory with tokenizer.json)")
+        self._any = self.caches.get(ANY_MODEL)
+        self._nameless = (next(iter(self.caches.values())) if len(self.caches) == 1
+                          else self._any)
+        self.roots = ModelRoots(models)
         reg = gw.registry
         self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
                                "lookups by result (hit, miss, unsplittable, none, error)", ["result"],
@@ -217,42 +245,60 @@ class Prerender(Plugin):
         self.tokens = Counter("prefixgate_prerender_tokens", "Prompt tokens, by whether they "
                               "came from the prefix cache", ["source"], registry=reg)
 
+    @property
+    def cache(self) -> PromptCache:
+        """The PromptCache a request naming no model uses (else the first one)."""
+        return self._nameless or next(c for c in self.caches.values() if c is not None)
+
+    def cache_for(self, model: str | None) -> PromptCache | None:
+        """The request's model's PromptCache: its own entry's, else `*`'s; a request naming
+        no model uses the only entry there is (`model_settings`). None: no tokenizer."""
+        if model is None:
+            return self._nameless
+        caches = self.caches
+        return caches[model] if model in caches else self._any
+
     async def on_request(self, ctx) -> None:
+        cache = self.cache_for(ctx.model)
+        if cache is None:
+            return                   # this model has no tokenizer: the request goes on as it is
         body = ctx.body
+        root = self.roots.get(ctx.model)
         messages = body.get("messages")
         if isinstance(messages, list):
-            r = await self._render_chat(ctx, body, messages)
+            r = await self._render_chat(ctx, cache, body, messages, root)
             if r is None:
                 self.lookups.labels("error").inc()
                 return
             ctx.tokens, ctx.block_hashes = r.tokens, r.block_hashes
-            ctx.block_tokens = self.cache.block_tokens
+            ctx.block_tokens = cache.block_tokens
             self.lookups.labels(r.cache).inc()
             return
         ids = prompt_token_ids(body)
         prompt = body.get("prompt")
         if ids is None and isinstance(prompt, str):
-            ids = await self._maybe_thread(len(prompt), self.cache.encode, prompt)
+            ids = await self._maybe_thread(len(prompt), cache.encode, prompt)
         if ids is not None:
             ctx.tokens = ids
-            ctx.block_hashes = block_hash_chain(ids, self.cache.block_tokens)
-            ctx.block_tokens = self.cache.block_tokens
+            ctx.block_hashes = block_hash_chain(ids, cache.block_tokens, parent=root)
+            ctx.block_tokens = cache.block_tokens
 
-    async def _render_chat(self, ctx, body, messages) -> Rendered | None:
+    async def _render_chat(self, ctx, cache: PromptCache, body, messages,
+                           root: int) -> Rendered | None:
         """The rendered request, or None when our rendering of it fails: the backend is the
         authority on what it accepts, so such a request goes on, only without tokens."""
         messages = [flatten(m) for m in messages]
         kwargs = body.get("chat_template_kwargs")
         kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
-        looked = self.cache.lookup(messages, tools, kwargs)
+        looked = cache.lookup(messages, tools, kwargs, root)
         entry = looked[2]
         size = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str)
                    else 256 for m in messages) - (len(entry.text) if entry is not None else 0)
         try:
-            r = await self._maybe_thread(size, self.cache.render, messages, tools,
+            r = await self._maybe_thread(size, cache.render, messages, tools,
                                          body.get("add_generation_prompt", True) is not False,
-                                         kwargs, looked)
+                                         kwargs, looked, root)
         except ValueError as e:      # ChatTemplateError
             log.debug("prerender: cannot render request %s: %s", ctx.request_id, e)
             return None

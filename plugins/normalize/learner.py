@@ -9,7 +9,8 @@ One request alone teaches nothing.
 
 Memory is bounded: at most `max_templates` templates (least recently used dropped), each with
 at most `max_slots` slots (longer templates are not learned), each slot remembering at most
-`after` distinct value hashes.
+`after` distinct value hashes. A Learner knows one model's traffic: the normalize plugin keeps
+one per model (`Normalizer.learner_for`, at most `MAX_MODELS`, least recently used dropped).
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ When a label and its value form a line or sentence of their own, the whole claus
 otherwise only the value is replaced by a numbered placeholder (`⟨1⟩`) that the tail block
 resolves. Two requests that differ only in dynamic values are then byte-identical up to the
 tail, and the model still reads every value exactly once. Detection is typed and labelled
-(`detectors.py`) plus learned from variation across requests (`learner.py`).
+(`detectors.py`) plus learned from variation across requests (`learner.py`), per model: each
+model (`ctx.model`) has its own Learner — a template learned from one model's traffic never
+moves anything in another's — while the detectors and the analysis cache are shared.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from prefixgate.plugins.normalize.suffix_reuse import reuse
 REUSE_MIN_CHARS = 4096      # shorter texts are scanned whole: reuse would not pay
 REUSE_KEY_CHARS = 256       # texts ending in the same 256 chars are tried for reuse
 REUSE_TEXTS = 32            # recent texts kept for reuse (each holds its text and analysis)
+MAX_MODELS = 64             # models with a Learner of their own (least recently used dropped)
 
 OPEN, CLOSE = "<dynamic_context>", "</dynamic_context>"
 _JOIN_GAP = frozenset(" \tT,，/-:：年月日时分秒")    # between two varying slots of one value
@@ -104,12 +107,33 @@ class Normalizer:
         self.cfg = cfg
         self.detector = Detector(cfg["detectors"], cfg["bare"], cfg["labels"]["time"],
                                  cfg["labels"]["id"], compile_rules(cfg["rules"]))
-        self.learner = Learner(cfg["learn_after"], cfg["learn_templates"],
-                               cfg["learn_max_slots"]) if cfg["learn"] else None
+        self.learn = bool(cfg["learn"])
+        # one Learner per model seen (key: ctx.model, None for a request naming none)
+        self.learners: LRU[str | None, Learner] = LRU(MAX_MODELS)
         self.roles = frozenset(cfg["roles"])
         self.cache: LRU[int, _Analysis] = LRU(cfg["cache_texts"])
         self.seen_once: LRU[int, None] = LRU(4 * cfg["cache_texts"])   # text hashes, no analysis
         self.recent: LRU[int, tuple] = LRU(REUSE_TEXTS)                  # by ending: suffix_reuse
+
+    @property
+    def learner(self) -> Learner | None:
+        """The Learner of requests naming no model (None when learning is off)."""
+        return self.learner_for(None)
+
+    def learner_for(self, model: str | None) -> Learner | None:
+        """`model`'s Learner, made on first use (None when learning is off)."""
+        if not self.learn:
+            return None
+        learner = self.learners.get(model)
+        if learner is None:
+            cfg = self.cfg
+            learner = Learner(cfg["learn_after"], cfg["learn_templates"], cfg["learn_max_slots"])
+            self.learners.put(model, learner)
+        return learner
+
+    def learned_templates(self) -> int:
+        """Templates remembered, over every model's Learner."""
+        return sum(len(learner.templates) for learner in self.learners.values())
 
     # --- one text ------------------------------------------------------------------------------
     def analyze(self, text: str) -> _Analysis:
@@ -119,7 +143,7 @@ class Normalizer:
             return a
         code = code_spans(text)
         toks, statics, values, found = self._scan(text, code)
-        key = template_key(statics) if self.learner is not None and toks else 0
+        key = template_key(statics) if self.learn and toks else 0
         a = _Analysis(toks, values, code, found, key)
         if self.cfg["cache_texts"]:
             # cache a text the second time it is seen: one carrying a fresh timestamp never
@@ -146,22 +170,25 @@ class Normalizer:
         self.recent.put(sk, (text, *got[:3], got[3], code))
         return got
 
-    def plan(self, text: str) -> list[Found]:
-        """Everything to move from `text`: typed finds, then learned slots they do not cover."""
+    def plan(self, text: str, learner: Learner | None = None) -> list[Found]:
+        """Everything to move from `text`: typed finds, then the slots `learner` (the
+        request's model's) has learned, where the finds do not cover them."""
         a = self.analyze(text)
-        if self.learner is None or not a.toks:
+        if learner is None or not a.toks:
             return a.found
-        learned = self.learner.observe(a.key, a.values)
+        learned = learner.observe(a.key, a.values)
         if not learned:
             return a.found
         return _merge(a.found, _learned_finds(text, a.toks, learned, a.code))
 
     # --- a whole body -------------------------------------------------------------------------
-    def normalize(self, body: dict) -> list[dict]:
-        """Rewrite `body` in place; return one record per moved value (empty: untouched)."""
+    def normalize(self, body: dict, model: str | None = None) -> list[dict]:
+        """Rewrite `body` in place; return one record per moved value (empty: untouched).
+        `model` (the request's, after aliases) picks whose learned templates apply."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or _already_done(msgs):
             return []
+        learner = self.learner_for(model)
         moved, lines = [], []
         budget, number = self.cfg["max_moves"], 1     # number: the next placeholder's
         for i, msg in enumerate(msgs):
@@ -172,7 +199,7 @@ class Normalizer:
                 text = holder[field]
                 if len(text) > self.cfg["max_chars"]:
                     continue
-                found = self.plan(text)[:budget - len(moved)]
+                found = self.plan(text, learner)[:budget - len(moved)]
                 if not found:
                     continue
                 holder[field], new_lines, number = rewrite(text, found, number)
@@ -313,7 +340,7 @@ class Normalize(Plugin):
             if json.dumps(canon) != json.dumps(body["tools"]):
                 body["tools"] = canon
                 ctx.body_changed = True
-        moved = self.core.normalize(body)
+        moved = self.core.normalize(body, ctx.model)
         ctx.normalized = True
         ctx.response_headers["x-prefixgate-moved"] = str(len(moved))
         if not moved:
@@ -324,5 +351,5 @@ class Normalize(Plugin):
         self.requests.labels("moved").inc()
         for m in moved:
             self.moved.labels(m["type"]).inc()
-        if self.core.learner is not None:
-            self.templates.set(len(self.core.learner.templates))
+        if self.core.learn:
+            self.templates.set(self.core.learned_templates())

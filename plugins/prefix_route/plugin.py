@@ -23,6 +23,11 @@ as `least_inflight`. Two policies:
 
 Load is the gateway's in-flight count per upstream or, with `poll_metrics_s`, the backends'
 own running + waiting counts (`load_poll.py`), which all gateway replicas see alike.
+
+Per model: upstreams that do not serve the request's model are filtered out before scoring,
+and once `models:` names several models every key chain is rooted at the request's model
+(`prefix_keys.ModelRoots`, the same roots prerender hashes with), so two models never share
+a ring key or an index entry — one ring and one index still hold them all, bounded as before.
 """
 from __future__ import annotations
 
@@ -38,8 +43,9 @@ from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.prefix_route.hash_ring import HashRing
 from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
-from prefixgate.plugins.prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain, prompt_token_ids,
-                          render, render_parts, tail_hash)
+from prefixgate.plugins.prefix_keys import (DynamicSpans, ModelRoots, block_hash_chain,
+                                            byte_hash_chain, prompt_token_ids, render,
+                                            render_parts, tail_hash, text_root)
 
 
 def _at_least_one(v):
@@ -94,6 +100,7 @@ class PrefixRoute(Plugin):
         self._weights: dict[str, float] = {}
         self._uniform = True
         self._spans: DynamicSpans | None = None
+        self.roots = ModelRoots((getattr(gw, "config", None) or {}).get("models"))
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
                                  "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
@@ -135,20 +142,23 @@ class PrefixRoute(Plugin):
     def _compute_keys(self, ctx) -> Keys:
         c = self.cfg
         spans = self._dynamic_spans(ctx)
+        root = self.roots.get(ctx.model)          # ROOT_HASH unless several models are named
         tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
         if tokens is not None and not (spans and _has_dynamic(ctx.body, spans)):
             bt = c["block_tokens"]
             if ctx.block_hashes is not None and ctx.block_tokens == bt:
                 chain = ctx.block_hashes[:c["max_blocks"]]     # already hashed (prerender)
             else:
-                chain = block_hash_chain(tokens, bt, c["max_blocks"])
+                chain = block_hash_chain(tokens, bt, c["max_blocks"], parent=root)
                 ctx.block_hashes, ctx.block_tokens = chain, bt
-            short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
+            short = (tail_hash([], array("q", tokens).tobytes(), text_root(root))
+                     if not chain and tokens else None)
             return Keys("tokens", chain, short, False)
         # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
         data, cut = render(ctx.body, spans)
-        chain = byte_hash_chain(data, c["block_bytes"], c["max_blocks"])
-        short = tail_hash([], data) if not chain and data else None
+        troot = text_root(root)
+        chain = byte_hash_chain(data, c["block_bytes"], c["max_blocks"], parent=troot)
+        short = tail_hash([], data, troot) if not chain and data else None
         return Keys("text", chain, short, cut)
 
     def _dynamic_spans(self, ctx) -> DynamicSpans | None:

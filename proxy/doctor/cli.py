@@ -8,6 +8,12 @@
 prompt's head and where two requests diverge; (d) KV usage and preemptions from /metrics;
 (e) a verdict per finding, with the fix. Exit status: 0 clean, 1 problems found, 2 could not
 run (unreachable URL, unreadable request file).
+
+Everything is judged for one model at a time: the probes go to `--model`, else the first
+request's `model`, else the first of /v1/models; the engine's metrics are read for that model
+where the server labels them by model; each request's prompt is analysed as its model's
+(`--model` when given, else its own `model`), with `--tokenizer` — the tokenizer of the
+probed model — only for requests to that model.
 """
 from __future__ import annotations
 
@@ -103,10 +109,9 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
         async def metrics():
-            return pm.parse(text) if (text := await snapshot(
+            return pm.parse(text, model) if (text := await snapshot(
                 session, metrics_base, "/metrics", headers)) is not None else None
-        asked = args.model or (bodies[0].get("model") if bodies else None)
-        model, _ = await pick_model(session, base, headers, asked)
+        model, _ = await pick_model(session, base, headers, probed_model(args, bodies))
         url = base + "/v1/chat/completions"
         m_start = await metrics()
         probe = cold(bodies[0] if bodies else probe_body())
@@ -124,18 +129,40 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
         server = pm.mean_delta(m_after or {}, m_end or {}, "server_ttft")
         hist = pm.histogram(m_end or {}, "server_ttft")
         found.insert(1, checks.client_vs_server(stream.ttft, server, hist and hist[0]))
-    found += prompt_findings(bodies, tokenizer)
+    found += prompt_findings(bodies, tokenizer, args.model, model)
     found += checks.engine_state(m_start, m_end)
     return found
 
 
-def prompt_findings(bodies: list[dict], tokenizer) -> list[checks.Finding]:
+def probed_model(args, bodies: list[dict]) -> str | None:
+    """The model asked for: --model, else the first request's (None: ask /v1/models)."""
+    asked = bodies[0].get("model") if bodies else None
+    return args.model or (asked if isinstance(asked, str) and asked else None)
+
+
+def request_model(body: dict, model: str | None = None) -> str | None:
+    """The model a request is analysed as: `model` (--model) when given, else its own."""
+    own = body.get("model")
+    return model or (own if isinstance(own, str) and own else None)
+
+
+def prompt_findings(bodies: list[dict], tokenizer, model: str | None = None,
+                    tokenizer_model: str | None = None) -> list[checks.Finding]:
+    """(c) for each request, as its model's (`request_model`). `tokenizer` is
+    `tokenizer_model`'s (the probed model; None: the first request's): a request for
+    another model is rendered without it (offsets in characters only)."""
     if not bodies:
         return [checks.Finding("c", "dynamic fields", "SKIP", "no --request given: pass a real "
                                "request body (twice to compare two) to check your prompts")]
-    out = [dynamic_fields(f"request {i + 1}", b, tokenizer) for i, b in enumerate(bodies)]
+    models = [request_model(b, model) for b in bodies]
+    tokenizer_model = tokenizer_model or models[0]
+    toks = [tokenizer if m is None or tokenizer_model is None or m == tokenizer_model else None
+            for m in models]
+    out = [dynamic_fields(f"request {i + 1}", b, toks[i], models[i])
+           for i, b in enumerate(bodies)]
     if len(bodies) == 2:
-        out.append(divergence(bodies[0], bodies[1], tokenizer))
+        out.append(divergence(bodies[0], bodies[1], toks[0] if toks[0] is toks[1] else None,
+                              models))
     return out
 
 

@@ -23,12 +23,28 @@ ALIASES = {
                     "sglang:time_to_first_token_seconds", "prefixgate_ttft_seconds"),
 }
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_MODEL_LABEL = re.compile(r'(?:^|,)\s*model(?:_name)?="((?:[^"\\]|\\.)*)"')
 
 
-def parse(text: str | None) -> dict[str, float]:
-    """Sample name -> value, summed over label sets; `_total` is dropped from counters."""
+def parse(text: str | None, model: str | None = None) -> dict[str, float]:
+    """Sample name -> value, summed over label sets; `_total` is dropped from counters.
+
+    With `model`, a server that labels its samples by model (vLLM's and SGLang's
+    `model_name`, a `model` label) counts only that model's samples (and the unlabelled
+    ones); when no sample names `model` at all (an alias, say), every sample counts."""
+    if model is not None:
+        own = _parse(text, model)
+        if own is not None:
+            return own
+    return _parse(text, None) or {}
+
+
+def _parse(text: str | None, model: str | None) -> dict[str, float] | None:
+    """parse()'s sums, counting only `model`'s samples when it is given (None: no sample
+    is labelled with `model`)."""
     out: dict[str, float] = {}
+    matched = model is None
     for line in (text or "").splitlines():
         if not line or line[0] == "#":
             continue
@@ -36,16 +52,22 @@ def parse(text: str | None) -> dict[str, float]:
         if m is None:
             continue
         try:
-            value = float(m.group(2))
+            value = float(m.group(3))
         except ValueError:
             continue
+        if model is not None and m.group(2):
+            label = _MODEL_LABEL.search(m.group(2))
+            if label is not None:
+                if label.group(1) != model:
+                    continue
+                matched = True
         name = m.group(1)
         if name.endswith("_total"):
             name = name[:-6]
         if name.endswith("_created"):
             continue
         out[name] = out.get(name, 0.0) + value
-    return out
+    return out if matched else None
 
 
 def get(values: dict[str, float], what: str) -> tuple[str, float] | None:

@@ -3,7 +3,9 @@
 Detection is the `normalize` plugin's own (typed, labelled detectors with its defaults), run
 on a copy of the request: what it would move is what breaks the prefix cache. Offsets are in
 the rendered prompt: the model's chat template when a tokenizer is given (then in tokens
-too), else a ChatML-like rendering that keeps the messages' order and text.
+too), else a ChatML-like rendering that keeps the messages' order and text. Each request is
+analysed as its model's (`model`, as `normalize` would see it in the gateway); two requests
+for different models never share a prefix cache, so they are not compared.
 """
 from __future__ import annotations
 
@@ -65,10 +67,11 @@ def where(off: dict) -> str:
     return s
 
 
-def dynamic_fields(name: str, body: dict, tokenizer=None) -> Finding:
-    """Per-request values in the request's system/developer messages."""
+def dynamic_fields(name: str, body: dict, tokenizer=None, model: str | None = None) -> Finding:
+    """Per-request values in the request's system/developer messages (`model`: the model the
+    request is for; default: its own `model`)."""
     fixed = copy.deepcopy(body)
-    moved = normalizer().normalize(fixed)
+    moved = normalizer().normalize(fixed, model or _model(body))
     if not moved:
         return Finding("c", f"dynamic fields ({name})", "PASS", "no per-request values (times, "
                        "request ids, nonces) in the system prompt")
@@ -82,14 +85,26 @@ def dynamic_fields(name: str, body: dict, tokenizer=None) -> Finding:
                    {"moved": moved, "offset": off})
 
 
-def divergence(a: dict, b: dict, tokenizer=None) -> Finding:
-    """Where two real requests part, before and after normalization."""
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def divergence(a: dict, b: dict, tokenizer=None, models=None) -> Finding:
+    """Where two real requests part, before and after normalization. `models`: the models
+    the two are for (default: their own `model`s); for two different models, nothing to
+    compare: each model has a prefix cache of its own."""
+    ma, mb = models or (_model(a), _model(b))
+    if ma is not None and mb is not None and ma != mb:
+        return Finding("c", "divergence", "INFO", f"the two requests are for different models "
+                       f"({ma!r}, {mb!r}), which never share a prefix cache: compare two "
+                       f"requests for one model", data={"models": [ma, mb]})
     ra, rb = render(a, tokenizer), render(b, tokenizer)
     before = offsets(ra, rb, tokenizer)
     na, nb = copy.deepcopy(a), copy.deepcopy(b)
     n = normalizer()
-    n.normalize(na)
-    n.normalize(nb)
+    n.normalize(na, ma)
+    n.normalize(nb, mb)
     after = offsets(render(na, tokenizer), render(nb, tokenizer), tokenizer)
     share = before["chars"] / max(before["of_chars"], 1)
     data = {"before": before, "after_normalize": after}
