@@ -117,8 +117,11 @@ class Admission(Plugin):
             self.rejected["queue_full"] += 1
             raise HTTPError(429, f"admission queue is full ({max_queue} waiting)",
                             code="queue_full", headers={"Retry-After": "1"})
-        long = self._is_long(ctx)
-        w = Waiter((-self._priority(ctx), next(self._seq)), ctx, long,
+        long, priority = self._is_long(ctx), self._priority(ctx)
+        if not self.waiting and self._lane_has_room(long) and self.room(ctx.upstream):
+            self._grant(ctx, ctx.upstream, long)      # nobody waits: no queue entry needed
+            return
+        w = Waiter((-priority, next(self._seq)), ctx, long,
                    asyncio.get_running_loop().create_future())
         self._enqueue(w)
         self._dispatch()
