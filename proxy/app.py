@@ -159,8 +159,7 @@ class Gateway:
     def _error_reason(self, request: web.Request, status: int) -> str | None:
         """Messages for aiohttp's own errors (the router's 404/405, the body limit's 413)."""
         if status == 413:
-            return (f"request body exceeds limits.max_body_bytes "
-                    f"({self.config['limits']['max_body_bytes']} bytes)")
+            return guard.too_large(self.config["limits"]["max_body_bytes"]).message
         if status == 404:
             return f"no route for {request.method} {request.path}"
         if status == 405:
@@ -196,8 +195,10 @@ class Gateway:
             self._authenticate(ctx)
             await self._read(request, ctx)
             if endpoint.responses:
-                ctx.pin = self.responses.owner(request.match_info.get("response_id")
-                                               or str(ctx.body.get("previous_response_id")))
+                stored = (request.match_info.get("response_id")
+                          or ctx.body.get("previous_response_id"))
+                if isinstance(stored, str):
+                    ctx.pin = self.responses.owner(stored)
             ctx.stamp("parsed")
             if endpoint.prompt:
                 for hook in chain.on_request:
@@ -238,24 +239,7 @@ class Gateway:
         if kind == "none":
             return
         if kind == "multipart":
-            if (request.content_length or 0) > limits["max_body_bytes"]:
-                raise HTTPError(413, f"request body exceeds limits.max_body_bytes "
-                                f"({limits['max_body_bytes']} bytes)", code="body_too_large")
-            boundary = multipart.boundary_of(request.headers.get("Content-Type", ""))
-            if boundary is None:
-                raise HTTPError(400, "expected a multipart/form-data body with a boundary",
-                                code="invalid_request")
-            try:
-                async with asyncio.timeout(limits["body_timeout_s"]):
-                    ctx.raw_body, fields = await multipart.read_head(request.content, boundary)
-            except ValueError as e:
-                raise HTTPError(400, f"malformed multipart body: {e}",
-                                code="invalid_request") from None
-            except TimeoutError:
-                raise HTTPError(408, "request body not received in time",
-                                code="request_timeout", headers={"Connection": "close"}) from None
-            self._set_model(ctx, fields.get("model"), rewrite=False)
-            ctx.stream = fields.get("stream") == "true"
+            await self._read_upload_head(request, ctx)
             return
         ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
         if kind == "raw":          # passthrough: routed by a JSON model when there is one
@@ -272,6 +256,27 @@ class Gateway:
             guard.check_fields(ctx.path, ctx.body)
         ctx.stream = ctx.body.get("stream") is True
         self._set_model(ctx, ctx.body.get("model"), rewrite=True)
+
+    async def _read_upload_head(self, request: web.Request, ctx: RequestContext) -> None:
+        """A multipart upload: only its head (the form fields before the file part) is read
+        here; `forward` streams the rest."""
+        limits = self.config["limits"]
+        if (request.content_length or 0) > limits["max_body_bytes"]:
+            raise guard.too_large(limits["max_body_bytes"])
+        boundary = multipart.boundary_of(request.headers.get("Content-Type", ""))
+        if boundary is None:
+            raise HTTPError(400, "expected a multipart/form-data body with a boundary",
+                            code="invalid_request")
+        try:
+            async with asyncio.timeout(limits["body_timeout_s"]):
+                ctx.raw_body, fields = await multipart.read_head(request.content, boundary)
+        except ValueError as e:
+            raise HTTPError(400, f"malformed multipart body: {e}",
+                            code="invalid_request") from None
+        except TimeoutError:
+            raise guard.too_slow(limits["body_timeout_s"]) from None
+        self._set_model(ctx, fields.get("model"), rewrite=False)
+        ctx.stream = fields.get("stream") == "true"
 
     def _set_model(self, ctx: RequestContext, model, rewrite: bool) -> None:
         """ctx.model from the body's field, through `model_aliases` (rewritten in the body
@@ -296,9 +301,9 @@ class Gateway:
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
         data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
-        if ctx.endpoint.body == "multipart":
-            data = capped(multipart.iter_body(ctx.raw_body, request.content),
-                          self.config["limits"]["max_body_bytes"])
+        if not ctx.endpoint.replayable:
+            data = guard.capped(multipart.iter_body(ctx.raw_body, request.content),
+                                self.config["limits"]["max_body_bytes"])
         tried: list[Upstream] = []
         while True:
             ctx.attempts += 1
@@ -308,15 +313,15 @@ class Gateway:
                 tried.append(ctx.upstream)
                 failed = HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
                                    code="upstream_unavailable")
-                if ctx.attempts > self.retries or ctx.endpoint.body == "multipart":
-                    raise failed from None        # an upload streamed once cannot be replayed
+                if ctx.attempts > self.retries or not ctx.endpoint.replayable:
+                    raise failed from None
                 try:
                     ctx.upstream = self.decide(ctx, tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
 
     def _can_retry(self, ctx: RequestContext, up: Upstream) -> bool:
-        return ctx.attempts <= self.retries and ctx.endpoint.body != "multipart" and any(
+        return ctx.attempts <= self.retries and ctx.endpoint.replayable and any(
             u.healthy and u is not up for u in self.upstreams)
 
     async def _exchange(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
@@ -332,8 +337,7 @@ class Gateway:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
                     upstream_resp = await up.pool.request(
                         ctx.endpoint.method, path, self._upstream_headers(ctx, up), data,
-                        **({} if isinstance(data, bytes) else
-                           {"length": request.content_length}))
+                        length=request.content_length)     # used by a streamed upload only
                     first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
                 self.health.bad_answer(up, "first-byte timeout")
@@ -562,14 +566,3 @@ def upstream_path(endpoint: Endpoint, request: web.Request) -> str:
     return endpoint.path.format(**{k: quote(v, safe="")
                                    for k, v in request.match_info.items()})
 
-
-async def capped(chunks, limit: int):
-    """The upload's chunks, ended with a 413 once they pass `limits.max_body_bytes` (a chunked
-    upload announces no length to check up front)."""
-    sent = 0
-    async for chunk in chunks:
-        sent += len(chunk)
-        if sent > limit:
-            raise HTTPError(413, f"request body exceeds limits.max_body_bytes ({limit} bytes)",
-                            code="body_too_large")
-        yield chunk

@@ -27,14 +27,10 @@ BUILTIN = {
 
 
 # what a chain always has: a router, and a bounded FIFO wait for a slot when every upstream
-# is full (a burst queues as it would at vLLM instead of being refused)
-FALLBACKS = ("round_robin", {"admission": {"lanes": False, "priority_header": False}})
-_FALLBACK_HOOKS = {"round_robin": "score", "admission": "admit"}
-
-
-def _has_hook(entries: list, fallback) -> bool:
-    name = fallback if isinstance(fallback, str) else next(iter(fallback))
-    return any(hasattr(p, _FALLBACK_HOOKS[name]) for _, p in entries)
+# is full (a burst queues as it would at vLLM instead of being refused); (hook, plugin) pairs,
+# each added only when no configured plugin has the hook
+FALLBACKS = (("score", "round_robin"),
+             ("admit", {"admission": {"lanes": False, "priority_header": False}}))
 
 
 def resolve(name: str) -> type[Plugin]:
@@ -80,31 +76,34 @@ def _key(item) -> str:
 
 
 def build_chain(gw, items: list, reuse: dict | None = None) -> Chain:
-    """The chain for `items`; plugins in `reuse` ({key: [plugin]}) are kept as they are."""
-    owned = gw.plugin_owned
-    entries = []
-    for i, item in enumerate([*items, *FALLBACKS]):
-        if i >= len(items) and _has_hook(entries, FALLBACKS[i - len(items)]):
-            continue            # a fallback only when no configured plugin does its job
-        key = _key(item)
-        kept = (reuse or {}).get(key)
-        if kept:
-            p = kept.pop(0)
-            cols, hooks = owned[p]
-            gw.registry.recording = []        # still the plugin's, not the gateway's
-            try:
-                for c in cols:
-                    gw.registry.register(c)
-            finally:
-                gw.registry.recording = None
-            gw.on_connect.extend(hooks)
-        else:
-            p = _build_one(gw, i, item)
-        entries.append((key, p))
+    """The chain for `items` (and the FALLBACKS it needs); plugins in `reuse`
+    ({key: [plugin]}) are kept as they are."""
+    entries = [_entry(gw, i, item, reuse) for i, item in enumerate(items)]
+    for hook, item in FALLBACKS:
+        if not any(hasattr(p, hook) for _, p in entries):
+            entries.append(_entry(gw, len(entries), item, reuse))
     gw.plugin_keys = entries
     chain = Chain([p for _, p in entries])
     chain.active = 0            # requests running on this chain
     return chain
+
+
+def _entry(gw, i: int, item, reuse: dict | None) -> tuple[str, Plugin]:
+    """(config key, plugin): the kept plugin for an unchanged item, else a new one."""
+    key = _key(item)
+    kept = (reuse or {}).get(key)
+    if not kept:
+        return key, _build_one(gw, i, item)
+    p = kept.pop(0)
+    cols, hooks = gw.plugin_owned[p]
+    gw.registry.recording = []        # still the plugin's, not the gateway's
+    try:
+        for c in cols:
+            gw.registry.register(c)
+    finally:
+        gw.registry.recording = None
+    gw.on_connect.extend(hooks)
+    return key, p
 
 
 def _build_one(gw, i: int, item):

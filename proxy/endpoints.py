@@ -25,6 +25,11 @@ class Endpoint:
     prompt: bool = False        # chat/completions: the prompt plugins' on_request hooks run
     responses: bool = False     # Responses API: pinned to / remembered for one upstream
 
+    @property
+    def replayable(self) -> bool:
+        """Can a failed attempt be sent again elsewhere? Not an upload streamed through."""
+        return self.body != "multipart"
+
 
 ENDPOINTS = (
     Endpoint("/v1/chat/completions", prompt=True),

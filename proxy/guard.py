@@ -16,15 +16,35 @@ _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 
+def too_slow(timeout_s: float) -> HTTPError:
+    return HTTPError(408, f"request body not received within {timeout_s}s "
+                     "(limits.body_timeout_s)", code="request_timeout",
+                     headers={"Connection": "close"})
+
+
+def too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"request body exceeds limits.max_body_bytes ({limit} bytes)",
+                     code="body_too_large")
+
+
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 when it has not arrived within `timeout_s` (slowloris)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
-        raise HTTPError(408, f"request body not received within {timeout_s}s "
-                        "(limits.body_timeout_s)", code="request_timeout",
-                        headers={"Connection": "close"}) from None
+        raise too_slow(timeout_s) from None
+
+
+async def capped(chunks, limit: int):
+    """A streamed body's chunks, ended with a 413 once they pass `limit` bytes (a chunked
+    upload announces no length to check up front)."""
+    sent = 0
+    async for chunk in chunks:
+        sent += len(chunk)
+        if sent > limit:
+            raise too_large(limit)
+        yield chunk
 
 
 def check_depth(value, max_depth: int) -> None:

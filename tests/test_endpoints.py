@@ -282,16 +282,7 @@ async def test_audio_stream(one):
     assert events[-1] == "[DONE]" and events[0]["object"] == "transcription.chunk"
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == (
         "tok0 tok1 tok2 tok3 tok4 tok5 ")
-
-
-async def test_audio_stream_is_relayed_as_it_comes(one):
-    _, gw = one
-    payload, _ = await form(("model", "m"), ("stream", "true"),
-                            ("file", b"x" * 100, "a.wav", "audio/wav"))
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gw.url + "/v1/audio/transcriptions", data=payload) as r:
-            timed = await read_events(r)
-    assert timed[-1][0] - timed[0][0] > 0.1
+    assert timed[-1][0] - timed[0][0] > 0.1       # relayed as it comes, not buffered
 
 
 # --- uploads byte for byte -------------------------------------------------------------------

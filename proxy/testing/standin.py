@@ -26,7 +26,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from prefixgate.proxy.server import install_uvloop, start_app
-from prefixgate.proxy.testing.surface import Surface, answer_model, model_cards, model_not_found
+from prefixgate.proxy.testing.surface import (Surface, answer_model, model_cards, model_not_found,
+                                              paced_tokens, was_reset)
 
 
 @dataclass
@@ -146,16 +147,11 @@ class StandIn(Surface):
         await resp.prepare(request)
         chat = request.path.endswith("chat/completions")
         rid = "cmpl-standin"          # fixed, so proxied and direct streams compare byte for byte
-        if b.first_delay:
-            await asyncio.sleep(b.first_delay)
-        for i in range(b.tokens):
-            if b.fail == "reset_after" and i == b.fail_after:
-                request.transport.close()
-                return resp
-            if i and b.gap:
-                await asyncio.sleep(b.gap)
+        async for i in paced_tokens(b, request):
             await resp.write(b"data: " + json.dumps(_chunk(rid, chat, i, b.model)).encode()
                              + b"\n\n")
+        if was_reset(request):
+            return resp
         final = _chunk(rid, chat, None, b.model)
         final["usage"] = usage
         await resp.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")

@@ -75,6 +75,33 @@ def model_not_found(b, model) -> web.Response | None:
     return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
 
+async def paced_tokens(b, request: web.Request):
+    """Token indexes 0..tokens-1, paced like a backend (`first_delay`, then `gap`); with
+    fail="reset_after" the connection is closed after `fail_after` tokens (see `was_reset`)."""
+    if b.first_delay:
+        await asyncio.sleep(b.first_delay)
+    for i in range(b.tokens):
+        if b.fail == "reset_after" and i == b.fail_after:
+            request.transport.close()
+            return
+        if i and b.gap:
+            await asyncio.sleep(b.gap)
+        yield i
+
+
+def was_reset(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def pooling_answer(prefix: str, b, body: dict, data: list, tokens: int) -> web.Response:
+    """vLLM's envelope of an embedding or score answer (id, list, created, model, usage)."""
+    return web.json_response({
+        "id": f"{prefix}-{random_uuid()}", "object": "list", "created": int(time.time()),
+        "model": answer_model(b, body.get("model")), "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None}})
+
+
 def model_cards(b) -> list[dict]:
     """/v1/models as vLLM lists it: the base models, then each LoRA adapter with its parent."""
     now = int(time.time())
@@ -170,8 +197,9 @@ class Surface:
         app.router.add_post("/v1/audio/translations", self.audio)
         app.router.add_post("/generate", self.sglang_generate)
 
-    async def _json_request(self, request: web.Request):
-        """(body, behaviour) after counting and recording, or (None, error response)."""
+    async def _json_request(self, request: web.Request, check_model: bool = False):
+        """(body, behaviour) after counting and recording, or (None, error response); with
+        `check_model`, a model it does not serve is vLLM's 404."""
         self._count_connection(request)
         try:
             body = await request.json()
@@ -185,15 +213,15 @@ class Surface:
             return None, vllm_error("stand-in failure", b.status, "InternalServerError")
         if b.fail == "hang":
             await asyncio.sleep(3600)
+        if check_model and (err := model_not_found(b, body.get("model"))) is not None:
+            return None, err
         return body, b
 
     # --- embeddings ------------------------------------------------------------------------
     async def embeddings(self, request: web.Request) -> web.Response:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         if "input" not in body and "messages" not in body:
             return vllm_error("'input' is required", 400, "BadRequestError", "input")
         texts = _texts(body.get("input", body.get("messages")))
@@ -206,19 +234,13 @@ class Surface:
             data.append({"index": i, "object": "embedding", "embedding": vec})
         prompt = sum(_tokens_of(t) for t in texts)
         await asyncio.sleep(b.first_delay)
-        return web.json_response({
-            "id": f"embd-{random_uuid()}", "object": "list", "created": int(time.time()),
-            "model": answer_model(b, body.get("model")), "data": data,
-            "usage": {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0,
-                      "prompt_tokens_details": None}})
+        return pooling_answer("embd", b, body, data, prompt)
 
     # --- the Responses API -------------------------------------------------------------------
     async def create_response(self, request: web.Request) -> web.StreamResponse:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.responses:
             return _response_not_found(previous)
@@ -280,16 +302,11 @@ class Surface:
         await send({"content_index": 0, "item_id": item_id, "output_index": 0,
                     "part": {"annotations": [], "text": "", "type": "output_text",
                              "logprobs": []}, "type": "response.content_part.added"})
-        if b.first_delay:
-            await asyncio.sleep(b.first_delay)
-        for i in range(b.tokens):
-            if b.fail == "reset_after" and i == b.fail_after:
-                request.transport.close()
-                return out
-            if i and b.gap:
-                await asyncio.sleep(b.gap)
+        async for i in paced_tokens(b, request):
             await send({"content_index": 0, "delta": f"tok{i} ", "item_id": item_id,
                         "logprobs": [], "output_index": 0, "type": "response.output_text.delta"})
+        if was_reset(request):
+            return out
         text = _text(b)
         _finish(resp, item_id, text, prompt, b.tokens)
         await send({"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": 0,
@@ -333,11 +350,9 @@ class Surface:
 
     # --- scoring -----------------------------------------------------------------------------
     async def rerank(self, request: web.Request) -> web.Response:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not isinstance(docs, list):
             return vllm_error("'query' (a string) and 'documents' (a list) are required", 400,
@@ -355,11 +370,9 @@ class Surface:
             "results": results})
 
     async def score(self, request: web.Request) -> web.Response:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         if "text_1" not in body or "text_2" not in body:
             return vllm_error("'text_1' and 'text_2' are required", 400, "BadRequestError")
         left, right = _texts(body["text_1"]), _texts(body["text_2"])
@@ -370,22 +383,16 @@ class Surface:
                               "BadRequestError")
         pairs = list(zip(left, right))
         tokens = sum(_tokens_of(a + b_) for a, b_ in pairs)
-        return web.json_response({
-            "id": f"score-{random_uuid()}", "object": "list", "created": int(time.time()),
-            "model": answer_model(b, body.get("model")),
-            "data": [{"index": i, "object": "score", "score": _relevance(a, b_)}
-                     for i, (a, b_) in enumerate(pairs)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                      "prompt_tokens_details": None}})
+        return pooling_answer("score", b, body, [
+            {"index": i, "object": "score", "score": _relevance(a, b_)}
+            for i, (a, b_) in enumerate(pairs)], tokens)
 
     # --- tokenizer -----------------------------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
         """One token per UTF-8 byte, so /detokenize inverts it exactly."""
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         if isinstance(body.get("prompt"), str):
             text = body["prompt"]
         elif isinstance(body.get("messages"), list):
@@ -400,11 +407,9 @@ class Surface:
                                   "tokens": tokens, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and 0 <= t < 256 for t in tokens):
@@ -414,11 +419,9 @@ class Surface:
 
     # --- moderations (OpenAI's shape) ----------------------------------------------------------
     async def moderations(self, request: web.Request) -> web.Response:
-        body, b = await self._json_request(request)
+        body, b = await self._json_request(request, check_model=True)
         if body is None:
             return b
-        if (err := model_not_found(b, body.get("model"))) is not None:
-            return err
         results = []
         for text in _texts(body.get("input", "")):
             hit = "attack" in text.lower()
@@ -485,17 +488,15 @@ class Surface:
         await out.prepare(request)
         rid, created = f"trsc-{random_uuid()}", int(time.time())
         kind = "translation" if request.path.endswith("translations") else "transcription"
-        if b.first_delay:
-            await asyncio.sleep(b.first_delay)
-        for i in range(b.tokens):
-            if i and b.gap:
-                await asyncio.sleep(b.gap)
+        async for i in paced_tokens(b, request):
             last = i == b.tokens - 1
             chunk = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
                      "choices": [{"delta": {"content": f"tok{i} "},
                                   "finish_reason": "length" if last else None,
                                   "stop_reason": None}]}
             await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if was_reset(request):
+            return out
         if form.get("stream_include_usage", "").lower() == "true":
             usage = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
                      "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": b.tokens,
