@@ -10,12 +10,6 @@ Without a tokenizer the chain runs over the bytes of a canonical rendering of th
 (tools, then each message's role and content, in order). A per-request value — a timestamp,
 a request id — changes the hash of every block after it, so unless `normalize` has moved
 such values to the tail, the chain is cut at the first one (`dynamic_offset`).
-
-Models never share keys once the config names several under `models:`: every request's
-chains are then rooted at `model_root(its model)` (`ModelRoots`), so the same prompt to two
-models gives two unrelated chains. With one named model or none (no `models:`, the single
-`model:` form, only `*`) every chain keeps the engine's root, `ROOT_HASH`, so a single-model
-gateway keys exactly as the engine does (and as before).
 """
 from __future__ import annotations
 
@@ -24,47 +18,11 @@ from array import array
 
 import xxhash
 
-from prefixgate.proxy.config import ANY_MODEL
 from prefixgate.proxy.lru import LRU
 
 ROOT_HASH = 0                      # parent of a token chain's first block (as in the engine)
 TEXT_ROOT = 0x7072_6566_6978_7478  # parent of a text chain's first block: never equal to a token chain
 _h64 = xxhash.xxh64_intdigest
-
-
-def model_root(model: str | None) -> int:
-    """Parent of the first block of `model`'s token chains: ROOT_HASH for None (the engine's,
-    and today's), else an xxh64 of the name. Its text chains start at `text_root(root)`."""
-    if model is None:
-        return ROOT_HASH
-    return _h64(b"prefixgate-model\x1f" + model.encode("utf-8", "surrogatepass"))
-
-
-def text_root(root: int) -> int:
-    """The text-chain root that goes with token-chain root `root` (TEXT_ROOT for ROOT_HASH)."""
-    return root ^ TEXT_ROOT
-
-
-class ModelRoots:
-    """The root a request's chains start from, by its model (after `model_aliases`).
-
-    When `models:` names more than one model (besides `*`), every model has its own root
-    (a request naming none: ROOT_HASH); with one named model or none, every chain uses
-    ROOT_HASH, as the engine does. prerender and prefix_route both resolve roots here, so
-    their chains always agree."""
-
-    __slots__ = ("per_model", "_named")
-
-    def __init__(self, models: dict | None):
-        named = [m for m in (models or {}) if m != ANY_MODEL]
-        self.per_model = len(named) > 1
-        self._named = {m: model_root(m) for m in named} if self.per_model else {}
-
-    def get(self, model: str | None) -> int:
-        if not self.per_model or model is None:
-            return ROOT_HASH
-        root = self._named.get(model)
-        return root if root is not None else model_root(model)
 
 
 def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
@@ -83,13 +41,12 @@ def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
     return _chain(data, 8 * block_tokens, n, parent)
 
 
-def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None,
-                    parent: int = TEXT_ROOT) -> list[int]:
+def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:
     """The same chain over bytes (the text fallback when no tokenizer is configured)."""
     n = len(data) // block_bytes
     if max_blocks is not None:
         n = min(n, max_blocks)
-    return _chain(data, block_bytes, n, parent)
+    return _chain(data, block_bytes, n, TEXT_ROOT)
 
 
 def _chain(data: bytes, step: int, n: int, parent: int) -> list[int]:
@@ -103,10 +60,9 @@ def _chain(data: bytes, step: int, n: int, parent: int) -> list[int]:
     return out
 
 
-def tail_hash(chain: list[int], rest: bytes, parent: int = TEXT_ROOT) -> int:
-    """A key for a prompt shorter than one block: its bytes, chained after its full blocks
-    (after `parent`, the chain's text root, when it has none)."""
-    return _h64((chain[-1] if chain else parent).to_bytes(8, "little") + rest)
+def tail_hash(chain: list[int], rest: bytes) -> int:
+    """A key for a prompt shorter than one block: its bytes, chained after its full blocks."""
+    return _h64((chain[-1] if chain else TEXT_ROOT).to_bytes(8, "little") + rest)
 
 
 # --- the canonical rendering -----------------------------------------------------------------

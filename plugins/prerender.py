@@ -6,8 +6,7 @@ the engine's prefix cache will see (`ctx.tokens`, `ctx.block_hashes`, `ctx.block
 The tokenizer is the request's model's: `models.<name>.tokenizer` for `ctx.model`, else the
 `*` entry's (or the single `model.tokenizer`), else — for a request naming no model — the only
 entry there is (`proxy.config.model_settings`). One tokenizer and prefix cache per entry, all
-loaded at start-up; a request whose model has no tokenizer passes through untouched. Block
-hashes are rooted per model as `prefix_keys.ModelRoots` says, like prefix_route's.
+loaded at start-up; a request whose model has no tokenizer passes through untouched.
 
 Tokenizing a 10k-token system prompt on every request would cost milliseconds, so the static
 prefix — the leading system messages and the tools — is rendered and tokenized once and
@@ -35,7 +34,7 @@ from prefixgate.proxy.spec import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
-from prefixgate.plugins.prefix_keys import ROOT_HASH, ModelRoots, block_hash_chain, prompt_token_ids
+from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)
@@ -114,12 +113,9 @@ class PromptCache:
             n += 1
         return n
 
-    def key(self, messages: list, n: int, tools, kwargs: dict, root: int = ROOT_HASH) -> int:
-        """xxhash of what the prefix rendering depends on: the prefix messages, tools, options
-        (and the chain's root: a prefix's cached hashes hold only under the root they had)."""
+    def key(self, messages: list, n: int, tools, kwargs: dict) -> int:
+        """xxhash of what the prefix rendering depends on: the prefix messages, tools, options."""
         h = xxhash.xxh3_64()
-        if root != ROOT_HASH:
-            h.update(root.to_bytes(8, "little"))
         for m in messages[:n]:
             content = m.get("content")
             if len(m) == 2 and isinstance(m.get("role"), str):    # the common {role, content}
@@ -135,50 +131,46 @@ class PromptCache:
             h.update(json.dumps([tools, kwargs], sort_keys=True).encode())
         return h.intdigest()
 
-    def lookup(self, messages: list, tools=None, kwargs: dict | None = None,
-               root: int = ROOT_HASH):
+    def lookup(self, messages: list, tools=None, kwargs: dict | None = None):
         """(prefix message count, cache key, cached prefix or None) for a request."""
         n = self.prefix_len(messages)
         if n == 0 and not tools:
             return 0, None, None
-        key = self.key(messages, n, tools, kwargs or {}, root)
+        key = self.key(messages, n, tools, kwargs or {})
         return n, key, self.entries.peek(key)     # render() touches a hit's recency
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = True,
-               kwargs: dict | None = None, looked=None, root: int = ROOT_HASH) -> Rendered:
-        """`root`: the parent of the chain's first block (`prefix_keys.ModelRoots`); a
-        `looked` from lookup() must have been made with the same root."""
+               kwargs: dict | None = None, looked=None) -> Rendered:
         kwargs = kwargs or {}
         full = self.tok.apply_chat_template(messages, tools=tools,
                                             add_generation_prompt=add_generation_prompt, **kwargs)
-        n, key, entry = looked or self.lookup(messages, tools, kwargs, root)
+        n, key, entry = looked or self.lookup(messages, tools, kwargs)
         if key is None:
-            return self._whole(full, "none", root)
+            return self._whole(full, "none")
         if entry is not None:
             self.entries.move_to_end(key)
             if entry.text and full.startswith(entry.text):
-                return self._split(full, entry, root)
+                return self._split(full, entry)
             if not entry.text:
-                return self._whole(full, "unsplittable", root)
-        return self._learn(key, full, messages[:n], tools, kwargs, root)
+                return self._whole(full, "unsplittable")
+        return self._learn(key, full, messages[:n], tools, kwargs)
 
-    def _whole(self, full: str, how: str, root: int = ROOT_HASH) -> Rendered:
+    def _whole(self, full: str, how: str) -> Rendered:
         ids = self.encode(full)
-        return Rendered(full, ids, block_hash_chain(ids, self.block_tokens, parent=root), how)
+        return Rendered(full, ids, block_hash_chain(ids, self.block_tokens), how)
 
-    def _split(self, full: str, entry: Prefix, root: int = ROOT_HASH) -> Rendered:
+    def _split(self, full: str, entry: Prefix) -> Rendered:
         tail = self.encode(full[len(entry.text):])
         ids = entry.ids + tail
         done = len(entry.hashes) * self.block_tokens
-        parent = entry.hashes[-1] if entry.hashes else root
+        parent = entry.hashes[-1] if entry.hashes else ROOT_HASH
         return Rendered(full, ids, entry.hashes + block_hash_chain(
             ids[done:], self.block_tokens, parent=parent), "hit",
                         len(entry.ids))
 
-    def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs,
-               root: int = ROOT_HASH) -> Rendered:
+    def _learn(self, key: int, full: str, prefix_msgs: list, tools, kwargs) -> Rendered:
         """A miss: tokenize the whole prompt, and cache the prefix if its split verifies."""
-        whole = self._whole(full, "miss", root)
+        whole = self._whole(full, "miss")
         entry = Prefix("", [], [])
         text = self._prefix_text(prefix_msgs, tools, kwargs)
         if text and full.startswith(text):
@@ -237,7 +229,6 @@ class Prerender(Plugin):
         self._any = self.caches.get(ANY_MODEL)
         self._nameless = (next(iter(self.caches.values())) if len(self.caches) == 1
                           else self._any)
-        self.roots = ModelRoots(models)
         reg = gw.registry
         self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
                                "lookups by result (hit, miss, unsplittable, none, error)", ["result"],
@@ -263,10 +254,9 @@ class Prerender(Plugin):
         if cache is None:
             return                   # this model has no tokenizer: the request goes on as it is
         body = ctx.body
-        root = self.roots.get(ctx.model)
         messages = body.get("messages")
         if isinstance(messages, list):
-            r = await self._render_chat(ctx, cache, body, messages, root)
+            r = await self._render_chat(ctx, cache, body, messages)
             if r is None:
                 self.lookups.labels("error").inc()
                 return
@@ -280,25 +270,24 @@ class Prerender(Plugin):
             ids = await self._maybe_thread(len(prompt), cache.encode, prompt)
         if ids is not None:
             ctx.tokens = ids
-            ctx.block_hashes = block_hash_chain(ids, cache.block_tokens, parent=root)
+            ctx.block_hashes = block_hash_chain(ids, cache.block_tokens)
             ctx.block_tokens = cache.block_tokens
 
-    async def _render_chat(self, ctx, cache: PromptCache, body, messages,
-                           root: int) -> Rendered | None:
+    async def _render_chat(self, ctx, cache: PromptCache, body, messages) -> Rendered | None:
         """The rendered request, or None when our rendering of it fails: the backend is the
         authority on what it accepts, so such a request goes on, only without tokens."""
         messages = [flatten(m) for m in messages]
         kwargs = body.get("chat_template_kwargs")
         kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
-        looked = cache.lookup(messages, tools, kwargs, root)
+        looked = cache.lookup(messages, tools, kwargs)
         entry = looked[2]
         size = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str)
                    else 256 for m in messages) - (len(entry.text) if entry is not None else 0)
         try:
             r = await self._maybe_thread(size, cache.render, messages, tools,
                                          body.get("add_generation_prompt", True) is not False,
-                                         kwargs, looked, root)
+                                         kwargs, looked)
         except ValueError as e:      # ChatTemplateError
             log.debug("prerender: cannot render request %s: %s", ctx.request_id, e)
             return None

@@ -11,8 +11,8 @@ import pytest
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.normalize.plugin import MAX_MODELS, SPEC as NORMALIZE_SPEC, Normalizer
-from prefixgate.plugins.prefix_keys import (ROOT_HASH, TEXT_ROOT, ModelRoots, block_hash_chain,
-                                            model_root, text_root)
+from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.plugins.prefix_route.plugin import ring_position
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import validate
 from prefixgate.proxy.context import RequestContext
@@ -58,16 +58,15 @@ def _key(route: str) -> str:
 
 # --- keys -----------------------------------------------------------------------------------
 
-def test_model_roots_separate_models_only_when_several_are_named():
-    assert model_root(None) == ROOT_HASH and text_root(ROOT_HASH) == TEXT_ROOT
-    assert model_root("a") != model_root("b") != ROOT_HASH
-    for single in ({}, {"*": {}}, {"qwen": {"tokenizer": "x"}}, {"qwen": {}, "*": {}}):
-        roots = ModelRoots(single)               # one model or none: the engine's root
-        assert {roots.get(m) for m in (None, "qwen", "other")} == {ROOT_HASH}
-    roots = ModelRoots({"a": {}, "b": {}, "*": {}})
-    assert roots.get("a") == model_root("a") and roots.get("b") == model_root("b")
-    assert roots.get("unlisted") == model_root("unlisted")       # not shared with a or b
-    assert roots.get(None) == ROOT_HASH
+def test_ring_positions_separate_models():
+    key = 0x1234_5678_9abc_def0
+    assert ring_position(key, None) == key                      # no model: as before
+    assert len({ring_position(key, m) for m in (None, "a", "b", "a-lora")}) == 4
+    assert ring_position(key, "a") == ring_position(key, "a")
+
+
+def _home(route: str) -> str:
+    return re.search(r"home=([^;]+)", route).group(1)
 
 
 # --- prerender ------------------------------------------------------------------------------
@@ -90,8 +89,7 @@ async def test_prerender_picks_the_request_models_tokenizer(tok_dirs):
         seen[model] = ctx
     for m in ("a", "b"):
         assert seen[m].tokens == _ids(tok_dirs[m])
-        assert seen[m].block_hashes == block_hash_chain(seen[m].tokens, 8,
-                                                        parent=model_root(m))
+        assert seen[m].block_hashes == block_hash_chain(seen[m].tokens, 8)   # the engine's
     assert seen["a"].tokens != seen["b"].tokens
     for m in ("c", "unknown"):                   # no tokenizer for it: untouched
         assert seen[m].tokens is None and seen[m].block_hashes is None
@@ -163,45 +161,49 @@ async def test_gateway_forwards_each_models_own_tokens(tok_dirs, make_standin, m
 # --- prefix_route ---------------------------------------------------------------------------
 
 async def test_chwbl_keys_the_same_prompt_per_model(tok_dirs, make_standin, make_gateway):
-    """Same prompt, two models: two keys, each the chain prerender hashed under the model's
-    root (prefix_route and prerender agree)."""
-    standins = [await make_standin(tokens=1) for _ in range(3)]
+    """Same prompt, two models: the same key (the engine's block hash, as prerender hashed
+    it) placed on the ring per model, so the two models' homes are unrelated."""
+    standins = [await make_standin(tokens=1) for _ in range(4)]
     gw = await make_gateway({
         "upstreams": [{"name": f"u{i}", "url": s.url, "models": ["a", "b"]}
                       for i, s in enumerate(standins)],
         "models": {"a": {"tokenizer": str(tok_dirs["a"])},
                    "b": {"tokenizer": str(tok_dirs["a"])}},    # even with one tokenizer
-        "plugins": [{"prerender": {}}, {"prefix_route": {"policy": "chwbl"}}]})
-    keys = {}
+        "plugins": [{"prerender": {}}, {"prefix_route": {"policy": "chwbl",
+                                                         "load_factor": 100}}]})
+    homes = {"a": [], "b": []}
     async with aiohttp.ClientSession() as client:
-        for m in ("a", "b", "a"):
-            async with client.post(gw.url + "/v1/chat/completions",
-                                   json={"model": m, "messages": MESSAGES}) as r:
-                assert r.status == 200
-                keys.setdefault(m, set()).add(_key(_route(r)))
-    assert len(keys["a"]) == len(keys["b"]) == 1 and keys["a"] != keys["b"]
-    ids = _ids(tok_dirs["a"])
-    for m in ("a", "b"):
-        chain = block_hash_chain(ids, 16, parent=model_root(m))
-        assert keys[m] == {f"{chain[3]:016x}"}
+        for i in range(12):
+            messages = [{"role": "system", "content": f"{i} " + SYSTEM}, MESSAGES[1]]
+            for m in ("a", "b"):
+                async with client.post(gw.url + "/v1/chat/completions",
+                                       json={"model": m, "messages": messages}) as r:
+                    assert r.status == 200
+                    route = _route(r)
+                chain = block_hash_chain(_ids(tok_dirs["a"], messages), 16)
+                assert _key(route) == f"{chain[3]:016x}"
+                homes[m].append(_home(route))
+    assert homes["a"] != homes["b"]
 
 
 async def test_chwbl_text_keys_per_model_and_short_prompts(make_standin, make_gateway):
-    standins = [await make_standin(tokens=1) for _ in range(2)]
+    standins = [await make_standin(tokens=1) for _ in range(4)]
     gw = await make_gateway({
         "upstreams": [{"name": f"u{i}", "url": s.url, "models": ["a", "b"]}
                       for i, s in enumerate(standins)],
         "models": {"a": {}, "b": {}},                      # named, no tokenizer: text keys
-        "plugins": [{"prefix_route": {"policy": "chwbl"}}]})
+        "plugins": [{"prefix_route": {"policy": "chwbl", "load_factor": 100}}]})
+    homes = {"a": [], "b": []}
     async with aiohttp.ClientSession() as client:
-        for body in ({"messages": MESSAGES}, {"prompt": "short"}, {"prompt": [1, 2, 3]}):
-            got = []
-            for m in ("a", "b"):
-                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-                async with client.post(gw.url + path, json={"model": m, **body}) as r:
-                    assert r.status == 200
-                    got.append(_key(_route(r)))
-            assert got[0] != got[1], body
+        for i in range(8):
+            for body in ({"messages": [{"role": "system", "content": f"{i} " + SYSTEM}]},
+                         {"prompt": f"short {i}"}, {"prompt": [1, 2, i]}):
+                for m in ("a", "b"):
+                    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                    async with client.post(gw.url + path, json={"model": m, **body}) as r:
+                        assert r.status == 200
+                        homes[m].append(_home(_route(r)))
+    assert homes["a"] != homes["b"]
 
 
 async def test_cache_aware_never_matches_another_models_prefix(make_standin, make_gateway):

@@ -24,15 +24,19 @@ as `least_inflight`. Two policies:
 Load is the gateway's in-flight count per upstream or, with `poll_metrics_s`, the backends'
 own running + waiting counts (`load_poll.py`), which all gateway replicas see alike.
 
-Per model: upstreams that do not serve the request's model are filtered out before scoring,
-and once `models:` names several models every key chain is rooted at the request's model
-(`prefix_keys.ModelRoots`, the same roots prerender hashes with), so two models never share
-a ring key or an index entry — one ring and one index still hold them all, bounded as before.
+Per model: upstreams that do not serve the request's model are filtered out before scoring;
+the chwbl key is mixed with the model's name and cache_aware keeps one index per model (at
+most MAX_MODELS, least recently used out), so two models — a base model and its LoRA adapter
+on the same vLLM, whose KV blocks differ — never share a ring key or an index entry. The
+block hashes themselves stay the engine's.
 """
 from __future__ import annotations
 
+import functools
 from array import array
 from dataclasses import dataclass
+
+import xxhash
 
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -43,9 +47,11 @@ from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.prefix_route.hash_ring import HashRing
 from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
-from prefixgate.plugins.prefix_keys import (DynamicSpans, ModelRoots, block_hash_chain,
-                                            byte_hash_chain, prompt_token_ids, render,
-                                            render_parts, tail_hash, text_root)
+from prefixgate.plugins.prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain,
+                                            prompt_token_ids, render, render_parts, tail_hash)
+from prefixgate.proxy.lru import LRU
+
+MAX_MODELS = 64                   # cache_aware indexes kept (one per model routed)
 
 
 def _at_least_one(v):
@@ -64,7 +70,7 @@ SPEC = {
     "prefix_blocks": Key(int, 4, positive),       # chwbl: K, the blocks that make the key
     "load_factor": Key((int, float), 1.25, lambda v: None if v > 1 else "must be > 1"),
     "virtual_nodes": Key(int, 160, positive),     # per unit of upstream weight
-    "index_capacity": Key(int, 65536, positive),  # cache_aware: blocks remembered per upstream
+    "index_capacity": Key(int, 65536, positive),  # cache_aware: blocks per upstream and model
     "cache_threshold": Key((int, float), 0.3, _fraction),
     "balance_abs_threshold": Key((int, float), 4, non_negative),
     "balance_rel_threshold": Key((int, float), 1.25, _at_least_one),
@@ -93,14 +99,14 @@ class PrefixRoute(Plugin):
         super().__init__(cfg, gw)
         c = self.cfg
         self.policy = c["policy"]
-        self.index = PrefixIndex(c["index_capacity"]) if self.policy == "cache_aware" else None
+        # model -> its PrefixIndex (cache_aware only)
+        self.indexes: LRU | None = LRU(MAX_MODELS) if self.policy == "cache_aware" else None
         self.poller = LoadPoller(gw, c["poll_metrics_s"]) if c["poll_metrics_s"] else None
         self._members = None          # the gw.upstreams list the ring was built from
         self._ring: HashRing | None = None
         self._weights: dict[str, float] = {}
         self._uniform = True
         self._spans: DynamicSpans | None = None
-        self.roots = ModelRoots((getattr(gw, "config", None) or {}).get("models"))
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
                                  "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
@@ -142,23 +148,20 @@ class PrefixRoute(Plugin):
     def _compute_keys(self, ctx) -> Keys:
         c = self.cfg
         spans = self._dynamic_spans(ctx)
-        root = self.roots.get(ctx.model)          # ROOT_HASH unless several models are named
         tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
         if tokens is not None and not (spans and _has_dynamic(ctx.body, spans)):
             bt = c["block_tokens"]
             if ctx.block_hashes is not None and ctx.block_tokens == bt:
                 chain = ctx.block_hashes[:c["max_blocks"]]     # already hashed (prerender)
             else:
-                chain = block_hash_chain(tokens, bt, c["max_blocks"], parent=root)
+                chain = block_hash_chain(tokens, bt, c["max_blocks"])
                 ctx.block_hashes, ctx.block_tokens = chain, bt
-            short = (tail_hash([], array("q", tokens).tobytes(), text_root(root))
-                     if not chain and tokens else None)
+            short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
             return Keys("tokens", chain, short, False)
         # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
         data, cut = render(ctx.body, spans)
-        troot = text_root(root)
-        chain = byte_hash_chain(data, c["block_bytes"], c["max_blocks"], parent=troot)
-        short = tail_hash([], data, troot) if not chain and data else None
+        chain = byte_hash_chain(data, c["block_bytes"], c["max_blocks"])
+        short = tail_hash([], data) if not chain and data else None
         return Keys("text", chain, short, cut)
 
     def _dynamic_spans(self, ctx) -> DynamicSpans | None:
@@ -181,7 +184,7 @@ class PrefixRoute(Plugin):
         key = self.route_key(self.keys(ctx))
         if key is None:
             return
-        ctx.body["id_slot"] = key % slots
+        ctx.body["id_slot"] = ring_position(key, ctx.model) % slots
         ctx.body["cache_prompt"] = True
         ctx.body_changed = True
 
@@ -218,7 +221,8 @@ class PrefixRoute(Plugin):
             eligible = lambda name: not self.saturated(by_name[name])    # noqa: E731
         total_weight = (len(upstreams) if self._uniform else
                         sum(self._weights[u.name] for u in upstreams))
-        chosen, home = self._ring.choose(key, {u.name: load for u, load in loads.items()},
+        chosen, home = self._ring.choose(ring_position(key, ctx.model),
+                                         {u.name: load for u, load in loads.items()},
                                          self._weights, total_weight,
                                          self.cfg["load_factor"], eligible)
         ctx.route_info.update(policy="chwbl", key=f"{key:016x}", home=home, blocks=len(chain),
@@ -229,7 +233,7 @@ class PrefixRoute(Plugin):
     def _score_cache_aware(self, ctx, keys: Keys, upstreams):
         c = self.cfg
         n = len(keys.chain)
-        matched = keys.matched = self.index.match(keys.chain)
+        matched = keys.matched = self._index(ctx.model).match(keys.chain)
         loads = self._loads(upstreams)
         lightest = min(loads.values())
         abs_t, rel_t = c["balance_abs_threshold"], c["balance_rel_threshold"]
@@ -272,8 +276,8 @@ class PrefixRoute(Plugin):
         self._weights = {u.name: float(u.cfg.get("weight", 1.0)) for u in ups}
         self._uniform = all(w == 1.0 for w in self._weights.values())
         self._ring = HashRing(sorted(self._weights.items()), self.cfg["virtual_nodes"])
-        if self.index is not None:
-            self.index.retain(self._weights)
+        for index in (self.indexes or {}).values():
+            index.retain(self._weights)
 
     # --- after the choice ----------------------------------------------------------------------
     def on_first_byte(self, ctx) -> None:
@@ -290,12 +294,21 @@ class PrefixRoute(Plugin):
             return
         keys = self.keys(ctx)
         self._total_blocks.inc(len(keys.chain))
-        if self.index is not None and keys.chain:
+        if self.indexes is not None and keys.chain:
+            index = self._index(ctx.model)
             matched = keys.matched     # from score(), if it ran
             if matched is None:
-                matched = self.index.match(keys.chain)
+                matched = index.match(keys.chain)
             self._matched_blocks.inc(matched.get(up.name, 0))
-            self.index.insert(up.name, keys.chain)
+            index.insert(up.name, keys.chain)
+
+    def _index(self, model: str | None) -> PrefixIndex:
+        """The cache_aware index of `model`'s prompts."""
+        index = self.indexes.get(model)
+        if index is None:
+            index = PrefixIndex(self.cfg["index_capacity"])
+            self.indexes.put(model, index)
+        return index
 
     def _decided(self, ctx, outcome: str) -> None:
         info = ctx.route_info
@@ -310,6 +323,17 @@ class PrefixRoute(Plugin):
         if "best_match" in info:
             header += f"; matched={info['best_match']}"
         ctx.response_headers["x-prefixgate-route"] = header
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_salt(model: str) -> int:
+    return xxhash.xxh64_intdigest(model.encode("utf-8", "surrogatepass"))
+
+
+def ring_position(key: int, model: str | None) -> int:
+    """Where a prefix key sits on the ring for `model`: the same prompt to two models lands
+    on unrelated homes (None: the key itself, as before models were routed)."""
+    return key if model is None else key ^ _model_salt(model)
 
 
 def _has_dynamic(body: dict, spans: DynamicSpans) -> bool:
@@ -329,9 +353,10 @@ class _RouteCollector:
         for u in p.gw.upstreams:
             load.add_metric([u.name], p.load(u))
         yield load
-        if p.index is not None:
+        if p.indexes is not None:
             size = GaugeMetricFamily("prefixgate_route_index_blocks", "Prefix blocks the "
-                                     "cache_aware index remembers per upstream", labels=["upstream"])
+                                     "cache_aware index remembers per upstream (all models)",
+                                     labels=["upstream"])
             for u in p.gw.upstreams:
-                size.add_metric([u.name], p.index.size(u.name))
+                size.add_metric([u.name], sum(i.size(u.name) for i in p.indexes.values()))
             yield size
