@@ -98,6 +98,11 @@ class Admission(Plugin):
     def room(self, up) -> bool:
         return self.held.get(up, 0) < self.cap(up)
 
+    def with_room(self, upstreams: list) -> list:
+        """The router's capacity filter: the upstreams with a free slot (one pass, inline)."""
+        held, per = self.held, self.cfg["per_upstream"]
+        return [u for u in upstreams if held.get(u, 0) < (per or u.max_inflight)]
+
     def global_cap(self) -> int:
         return self.cfg["max_inflight"] or max(1, sum(self.cap(u) for u in self.gw.upstreams))
 

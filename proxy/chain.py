@@ -54,8 +54,8 @@ class Chain:
         for hook in HOOKS:
             setattr(self, hook, [getattr(p, hook) for p in plugins if hasattr(p, hook)])
         self.scorers = [p for p in plugins if hasattr(p, "score")]
-        # the admission plugin's capacity test replaces the router's (inflight < max_inflight)
-        self.room = next((p.room for p in plugins if hasattr(p, "room")), None)
+        # the admission plugin's capacity filter replaces the router's (inflight < max_inflight)
+        self.with_room = next((p.with_room for p in plugins if hasattr(p, "with_room")), None)
 
 
 class TrackingRegistry(CollectorRegistry):

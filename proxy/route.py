@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from prefixgate.proxy.upstream import Upstream
 
 
-def has_room(up: "Upstream") -> bool:
-    return up.inflight < up.max_inflight
-
-
 def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
            tried: Iterable["Upstream"] = ()) -> "Upstream":
     """The upstream for this attempt; HTTPError 503 (none healthy) or 429 (all full)."""
@@ -37,9 +33,9 @@ def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
     if not healthy:
         raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
                         headers={"Retry-After": "1"})
-    candidates = [u for u in healthy if u not in tried] or healthy
-    room = chain.room or has_room
-    free = [u for u in candidates if room(u)]
+    candidates = ([u for u in healthy if u not in tried] or healthy) if tried else healthy
+    free = (chain.with_room(candidates) if chain.with_room is not None else
+            [u for u in candidates if u.inflight < u.max_inflight])
     if not free:
         if not chain.admit:
             raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
@@ -57,7 +53,7 @@ def serving(upstreams: list["Upstream"], model: str | None) -> list["Upstream"]:
             raise HTTPError(400, f"'model' is required: this gateway serves several models "
                             f"({', '.join(sorted(served))})", code="missing_model")
         return upstreams
-    found = [u for u in upstreams if u.serves(model)]
+    found = [u for u in upstreams if u.models is None or model in u.models]   # u.serves()
     if not found:
         raise HTTPError(404, f"model {model!r} is not served here; available: "
                         f"{', '.join(sorted(fleet_models(upstreams))) or 'none'}",
@@ -72,10 +68,15 @@ def fleet_models(upstreams: list["Upstream"]) -> set[str]:
 
 def pick(scorers: list, ctx: "RequestContext", candidates: list["Upstream"]) -> "Upstream":
     """The candidate with the best weighted sum of scores (ties at random)."""
-    totals = dict.fromkeys(candidates, 0.0)
-    for scorer in scorers:
-        for up, score in scorer.score(ctx, candidates).items():
-            totals[up] += scorer.weight * score
+    if len(scorers) == 1:            # one scorer scoring every candidate: its scores are the
+        totals = scorers[0].score(ctx, candidates)     # ranking (weights are > 0)
+        if len(totals) < len(candidates):
+            totals = {**dict.fromkeys(candidates, 0.0), **totals}
+    else:
+        totals = dict.fromkeys(candidates, 0.0)
+        for scorer in scorers:
+            for up, score in scorer.score(ctx, candidates).items():
+                totals[up] += scorer.weight * score
     best = max(totals.values())
     winners = [u for u, s in totals.items() if s == best]
     return winners[0] if len(winners) == 1 else random.choice(winners)
