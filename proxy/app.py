@@ -267,20 +267,28 @@ class Gateway:
         if boundary is None:
             raise HTTPError(400, "expected a multipart/form-data body with a boundary",
                             code="invalid_request")
+        spans: dict = {}
         try:
             async with asyncio.timeout(limits["body_timeout_s"]):
-                ctx.raw_body, fields = await multipart.read_head(request.content, boundary)
+                head, fields = await multipart.read_head(request.content, boundary,
+                                                         spans=spans)
         except ValueError as e:
             raise HTTPError(400, f"malformed multipart body: {e}",
                             code="invalid_request") from None
         except TimeoutError:
             raise guard.too_slow(limits["body_timeout_s"]) from None
         self._set_model(ctx, fields.get("model"), rewrite=False)
-        ctx.stream = fields.get("stream") == "true"
+        sent = head
+        if ctx.model is not None and ctx.model != fields["model"]:    # an alias: rewrite it
+            start, end = spans["model"]
+            sent = head[:start] + ctx.model.encode() + head[end:]
+        ctx.raw_body, ctx.stream = sent, fields.get("stream") == "true"
+        if request.content_length is not None:      # else it goes on chunked, as it came
+            ctx.upload_length = request.content_length - len(head) + len(sent)
 
     def _set_model(self, ctx: RequestContext, model, rewrite: bool) -> None:
-        """ctx.model from the body's field, through `model_aliases` (rewritten in the body
-        when it is JSON, so the backend sees the name it serves)."""
+        """ctx.model from the body's field, through `model_aliases` (rewritten in a JSON
+        body here, so the backend sees the name it serves; an upload's by its reader)."""
         if not isinstance(model, str):
             return
         served = self.config["model_aliases"].get(model)
@@ -337,7 +345,7 @@ class Gateway:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
                     upstream_resp = await up.pool.request(
                         ctx.endpoint.method, path, self._upstream_headers(ctx, up), data,
-                        length=request.content_length)     # used by a streamed upload only
+                        length=ctx.upload_length)     # used by a streamed upload only
                     first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
                 self.health.bad_answer(up, "first-byte timeout")

@@ -14,6 +14,7 @@ class RequestContext:
     body: dict                                 # parsed JSON; plugins may mutate it
     headers: Any                               # the client's request headers (CIMultiDictProxy)
     raw_body: bytes = b""                      # forwarded as-is unless body_changed
+    upload_length: int | None = None           # a streamed upload's length as sent upstream
     body_changed: bool = False                 # set by a plugin that mutates `body`
     endpoint: Any = None                       # its proxy.endpoints.Endpoint
     target: str = ""                           # the path sent upstream (route parts filled in)

@@ -30,14 +30,16 @@ def boundary_of(content_type: str) -> bytes | None:
     return boundary.encode("ascii")
 
 
-async def read_head(stream, boundary: bytes, *,
-                    limit: int = 64 * 1024) -> tuple[bytes, dict[str, str]]:
+async def read_head(stream, boundary: bytes, *, limit: int = 64 * 1024,
+                    spans: dict[str, tuple[int, int]] | None = None
+                    ) -> tuple[bytes, dict[str, str]]:
     """Read `stream` (an aiohttp StreamReader) up to the first file part's headers, the end
     of the form, or `limit` bytes, whichever comes first.
 
     Returns (every byte read, {name: value} of the simple fields complete before then; a
     name given twice keeps its last value). Raises ValueError when the body is not a
-    well-formed multipart body (or ends before its closing boundary).
+    well-formed multipart body (or ends before its closing boundary). `spans`, when given,
+    gets each returned field's value as (start, end) offsets into the head (to rewrite one).
     """
     head = _Head(stream, limit)
     fields: dict[str, str] = {}
@@ -86,6 +88,8 @@ async def read_head(stream, boundary: bytes, *,
         if found < 0:
             return head.stopped(fields, f"in field {name!r}")
         fields[name] = head.buf[content:found].decode("utf-8", "replace")
+        if spans is not None:
+            spans[name] = (content, found)
         pos = found + len(delimiter)
 
 

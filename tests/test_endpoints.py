@@ -451,10 +451,9 @@ async def test_model_aliases_rewrite_and_list(make_standin, make_gateway):
     assert set(cards) == {"gpt-4o", "llama-3.1-8b"} and cards["gpt-4o"]["root"] == "llama-3.1-8b"
 
 
-@pytest.mark.xfail(strict=True, reason="gateway bug: model_aliases are not rewritten in a "
-                   "multipart upload (proxy/app.py _read calls _set_model(rewrite=False)), so "
-                   "the backend gets the public name and answers vLLM's 404")
 async def test_model_alias_in_an_upload(make_standin, make_gateway):
+    """The alias is rewritten in the streamed form (its Content-Length follows), the file
+    arrives intact."""
     s = await make_standin(models=["whisper-large-v3"])
     gw = await make_gateway({**fleet(("a", s)), "model_aliases": {"whisper-1": "whisper-large-v3"}})
     payload, _ = await form(("model", "whisper-1"), ("file", b"x" * 10, "a.wav", "audio/wav"))
@@ -462,6 +461,9 @@ async def test_model_alias_in_an_upload(make_standin, make_gateway):
         status, answer, _ = await call(client, "POST", gw.url + "/v1/audio/transcriptions",
                                        data=payload)
     assert status == 200, answer
+    got = s.requests[-1]
+    assert got["form"]["model"] == "whisper-large-v3"
+    assert got["file"]["size"] == 10 and got["file"]["sha256"] == hashlib.sha256(b"x" * 10).hexdigest()
 
 
 async def test_a_model_added_at_run_time_becomes_routable(make_standin, make_gateway):
