@@ -62,9 +62,12 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # the request's time.monotonic() stamps (as vLLM's): reaching the engine (add_request,
+    # after tokenization), first scheduled, first token sampled, this output's token sampled
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    last_token_time: float | None
 
 
 @dataclass
@@ -145,6 +148,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        """Queue a request; its arrival is now unless given (a time.monotonic() stamp)."""
         seq = Sequence(prompt_ids, params, request_id, arrival_time)
         self._adds.append(_Request(seq, self._decoder_cls(self.tokenizer)))
 
@@ -208,7 +212,8 @@ class LLMEngine:
         new_ids, req.token_ids = req.token_ids, []
         return RequestOutput(seq.request_id, new_ids, delta, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                             seq.arrival_time, seq.first_scheduled_time, seq.first_token_time)
+                             seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                             seq.last_token_time)
 
 
 def _resolve_model_dir(model: str) -> Path:

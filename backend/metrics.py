@@ -1,8 +1,10 @@
 """Prometheus metrics for the engine, named like vLLM's (`prefixgate:` for `vllm:`).
 
 Gauges and counters are read from the engine's own state when scraped (one collector, so
-they can never drift from it); latency histograms are observed as requests progress. Each
-server gets its own registry, so several engines can live in one process (tests do that).
+they can never drift from it); latency histograms are observed as requests progress, from
+the stamps every RequestOutput carries (the same ones the server's `Server-Timing` header is
+made of, so the two agree): arrival = add_request, after tokenization, as vLLM's. Each server
+gets its own registry, so several engines can live in one process (tests do that).
 """
 from __future__ import annotations
 
@@ -49,23 +51,27 @@ class EngineMetrics:
     def __init__(self, engine: LLMEngine):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram("prefixgate:time_to_first_token_seconds", "Arrival to first token.",
+        self.ttft = Histogram("prefixgate:time_to_first_token_seconds",
+                              "Engine arrival (add_request) to first token sampled.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("prefixgate:time_per_output_token_seconds", "Time between output tokens.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("prefixgate:request_queue_time_seconds", "Arrival to first scheduled.",
+        self.queue = Histogram("prefixgate:request_queue_time_seconds",
+                               "Engine arrival (add_request) to first scheduled.",
                                buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prefill = Histogram("prefixgate:request_prefill_time_seconds",
+                                 "First scheduled to first token sampled.",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
         self._last_token: dict[str, float] = {}
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Called after each engine step with its outputs."""
         for out in outputs:
             last = self._last_token.get(out.request_id)
-            if last is None:
-                if out.first_token_time is not None:
-                    self.ttft.observe(out.first_token_time - out.arrival_time)
-                if out.first_scheduled_time is not None:
-                    self.queue.observe(out.first_scheduled_time - out.arrival_time)
+            if last is None:    # an output always carries a token: this is the first
+                self.ttft.observe(out.first_token_time - out.arrival_time)
+                self.queue.observe(out.first_scheduled_time - out.arrival_time)
+                self.prefill.observe(out.first_token_time - out.first_scheduled_time)
             elif out.token_ids:
                 self.tpot.observe((now - last) / len(out.token_ids))
             if out.finished:

@@ -257,6 +257,7 @@ class Scheduler:
             seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            seq.last_token_time = now
             reason = stop_token_reason(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
             if reason is None and len(seq) >= self.config.max_model_len:
                 reason = "length"

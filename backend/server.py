@@ -11,6 +11,9 @@ a request naming another model gets vLLM's 404 (a request without `model` is ser
 
 Extensions, as vLLM names them: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, and
 `return_token_ids` (adds `prompt_token_ids` and per-choice `token_ids` to the response).
+
+Every answer carries a `Server-Timing` header (tokenize, queue, prefill, decode: see
+backend/timing.py); with `--otlp-traces-endpoint` each request is also an `llm_request` span.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -31,6 +35,8 @@ from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
 from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
+from prefixgate.backend.timing import RequestTiming
+from prefixgate.proxy import server_timing, tracing
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.server import json_errors_middleware, parse_json_object, run_on_uvloop, start_app
 
@@ -106,8 +112,9 @@ class EngineServer:
     """The HTTP handlers over one engine."""
 
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 served_model_names: list[str] | None = None):
+                 served_model_names: list[str] | None = None, tracer: tracing.Tracing | None = None):
         self.engine = engine
+        self.tracer = tracer
         self.core = engine.engine
         self.engine_metrics = metrics
         # every name is answered to; the first is the one responses carry (as vLLM)
@@ -151,11 +158,11 @@ class EngineServer:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.monotonic()
-        body = await self._request_body(request)
-        text = self._render_chat(body)
-        ids = await self._encode(text, add_special_tokens=False)
-        return await self._generate(request, body, ids, arrival, chat=True)
+        with RequestTiming(self.tracer, request.headers) as timing:
+            body = await self._request_body(request)
+            text = self._render_chat(body)
+            ids = await self._encode(text, add_special_tokens=False)
+            return await self._generate(request, body, ids, timing, chat=True)
 
     def _render_chat(self, body: dict, add_generation_prompt: bool = True,
                      continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
@@ -227,7 +234,10 @@ class EngineServer:
         return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        arrival = time.monotonic()
+        with RequestTiming(self.tracer, request.headers) as timing:
+            return await self._completions(request, timing)
+
+    async def _completions(self, request: web.Request, timing: RequestTiming) -> web.StreamResponse:
         body = await self._request_body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -245,7 +255,7 @@ class EngineServer:
         else:
             raise HTTPError(400, "'prompt' must be a non-empty string or a non-empty list of token ids "
                             "(batches of several prompts are not supported)", code="invalid_value")
-        return await self._generate(request, body, ids, arrival, chat=False)
+        return await self._generate(request, body, ids, timing, chat=False)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         tok = self.core.tokenizer
@@ -253,7 +263,7 @@ class EngineServer:
             return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _generate(self, request, body, ids, arrival, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request, body, ids, timing: RequestTiming, chat: bool) -> web.StreamResponse:
         limit = self.core.max_model_len
         if len(ids) >= limit:
             raise HTTPError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
@@ -266,35 +276,41 @@ class EngineServer:
         opts = _field(body, "stream_options", dict, {})
         fmt = _Format(chat, self.model_name, bool(_field(body, "return_token_ids", bool, False)),
                       ids, bool(opts.get("include_usage")))
-        out_stream = self.engine.generate(ids, params, arrival_time=arrival)
+        timing.describe(request.headers.get("X-Request-Id") or fmt.id, self.model_name, params)
+        out_stream = self.engine.generate(ids, params)      # the engine's arrival: now
         try:
             if stream:
-                return await self._stream(request, out_stream, fmt)
-            return await self._whole(out_stream, fmt)
+                return await self._stream(request, out_stream, fmt, timing)
+            return await self._whole(out_stream, fmt, timing)
         finally:
             out_stream.close()          # aborts the sequence unless it finished
             if not out_stream.completed:
                 self.engine_metrics.forget(out_stream.request_id)
 
-    async def _whole(self, outputs, fmt: "_Format") -> web.Response:
+    async def _whole(self, outputs, fmt: "_Format", timing: RequestTiming) -> web.Response:
         text, token_ids, last = [], [], None
         async for out in outputs:
+            timing.output(out)
             text.append(out.text)
             token_ids.extend(out.token_ids)
             last = out
-        return web.json_response(fmt.whole("".join(text), token_ids, last))
+        data = json.dumps(fmt.whole("".join(text), token_ids, last))
+        return web.json_response(text=data, headers={server_timing.HEADER: timing.header()})
 
-    async def _stream(self, request, outputs, fmt: "_Format") -> web.StreamResponse:
+    async def _stream(self, request, outputs, fmt: "_Format", timing: RequestTiming) -> web.StreamResponse:
         resp = None
         try:
             async for out in outputs:
+                timing.output(out)
+                event = fmt.sse(fmt.chunk(out=out))
                 if resp is None:    # headers go out with the first token, so early errors stay JSON
-                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
-                    await resp.prepare(request)
                     if fmt.chat:
-                        await resp.write(fmt.sse(fmt.chunk(role=True)))
-                await resp.write(fmt.sse(fmt.chunk(out=out)))
+                        event = fmt.sse(fmt.chunk(role=True)) + event
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache",
+                                                       server_timing.HEADER: timing.header()})
+                    await resp.prepare(request)
+                await resp.write(event)
                 if out.finished and fmt.include_usage:
                     await resp.write(fmt.sse(fmt.usage_chunk(out)))
         except RuntimeError as e:           # the engine failed mid-request
@@ -442,8 +458,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens when a request sets none")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send one `llm_request` span per request to this OTLP/HTTP collector, "
+                   "e.g. http://localhost:4318 (needs the `otel` extra)")
+    p.add_argument("--otlp-service-name", default=None,
+                   help="the spans' service.name (default: $OTEL_SERVICE_NAME or prefixgate-engine)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def tracing_config(ns: argparse.Namespace) -> dict | None:
+    """The tracing config the flags ask for (None: no tracing); ValueError names the flag."""
+    if not ns.otlp_traces_endpoint:
+        return None
+    raw = {"otlp_endpoint": ns.otlp_traces_endpoint,
+           "service_name": ns.otlp_service_name or os.environ.get("OTEL_SERVICE_NAME") or "prefixgate-engine"}
+    try:
+        return tracing.validate(raw)
+    except tracing.ConfigError as e:
+        raise ValueError(f"--otlp-traces-endpoint: {e.reason}") from None
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
@@ -465,10 +498,13 @@ class RunningServer:
     url: str
     engine: AsyncEngine
     metrics: EngineMetrics
+    tracer: tracing.Tracing | None = None
 
     async def close(self) -> None:
         await self.runner.cleanup()
         await self.engine.stop()
+        if self.tracer is not None:         # flushes queued spans (bounded), off the loop
+            await asyncio.to_thread(self.tracer.close)
 
 
 async def start_server(argv: list[str] | None = None, *, host: str | None = None, port: int | None = None,
@@ -477,6 +513,7 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
     ns = build_parser().parse_args(argv or [])
     if ns.served_model_name and not all(ns.served_model_name):
         raise ValueError("--served-model-name: a name must not be empty")
+    trace_cfg = tracing_config(ns)          # before the engine: a bad flag fails at once
     core = engine or await asyncio.to_thread(LLMEngine, engine_args(ns))
     async_engine = AsyncEngine(core)
     metrics = EngineMetrics(core)
@@ -484,8 +521,9 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
     server = EngineServer(async_engine, metrics, ns.default_max_tokens, ns.served_model_name)
     # start_app cancels the handler of a client that hangs up, which aborts its sequence
     runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
+    tracer = server.tracer = tracing.Tracing(trace_cfg) if trace_cfg else None
     async_engine.start()
-    return RunningServer(runner, url, async_engine, metrics)
+    return RunningServer(runner, url, async_engine, metrics, tracer)
 
 
 async def _serve_forever(argv: list[str]) -> None:
