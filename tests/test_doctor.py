@@ -219,4 +219,7 @@ async def test_real_engine_prefix_cache_on_and_off(caching, tmp_path):
     assert f["streaming"]["status"] == "PASS"
     # the engine's own TTFT histogram is there to compare the client's with
     assert f["client vs server TTFT"]["data"]["metric"] == "prefixgate:time_to_first_token_seconds"
+    # ... and its Server-Timing header to break the client's TTFT down with
+    assert f["TTFT breakdown"]["status"] != "SKIP", f["TTFT breakdown"]
+    assert {"engine_queue", "prefill", "transfer"} <= set(f["TTFT breakdown"]["data"]["segments"])
     assert f["preemptions"]["status"] == "PASS"

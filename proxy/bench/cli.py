@@ -20,7 +20,7 @@ import sys
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.seed import run_seed
-from prefixgate.proxy.bench.stats import cell_table, compare_table
+from prefixgate.proxy.bench.stats import cell_table, compare_table, server_timing_lines
 from prefixgate.proxy.bench.target import (TargetError, auth_headers, base_url, cell_record,
                                            client_session, measure, pick_model, request_body)
 
@@ -212,6 +212,8 @@ def report(archive: dict, args) -> int:
           f"max_tokens={cfg['max_tokens']} lengths={cfg['lengths']} "
           f"slo_ttft={cfg['slo_ttft_ms']:g}ms (latencies in ms)")
     print(cell_table(archive["cells"]))
+    for line in server_timing_lines(archive["cells"]):
+        print(line)
     for c in archive["cells"]:
         if c["summary"].get("first_error"):
             print(f"{c['label']}: {c['summary']['errors']} errors, first: "

@@ -15,6 +15,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from prefixgate.proxy import server_timing as st
+
 
 @dataclass
 class Sample:
@@ -30,6 +32,7 @@ class Sample:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, likewise
     status: int | None = None
     error: str | None = None
+    server_timing: dict[str, float] | None = None   # the response's Server-Timing, {name: ms}
 
     @property
     def ok(self) -> bool:
@@ -65,6 +68,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, head
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             sample.status = resp.status
+            sample.server_timing = header_timing(resp.headers)
             if resp.status != 200:
                 sample.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return sample
@@ -82,6 +86,13 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, head
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         sample.error = f"{type(e).__name__}: {e}"
     return sample
+
+
+def header_timing(headers) -> dict[str, float] | None:
+    """{name: ms} of a response's Server-Timing header(s), None when it has none."""
+    values = headers.getall(st.HEADER, []) if hasattr(headers, "getall") else [
+        v for k, v in headers.items() if k.lower() == st.HEADER.lower()]
+    return st.parse(", ".join(values)) or None
 
 
 def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample):

@@ -42,10 +42,39 @@ def summarize(samples: list, slo_ttft_s: float) -> dict:
     out["out_tok_per_s"] = round(sum(s.output_tokens for s in ok) / wall, 2) if wall else None
     out["goodput_req_per_s"] = round(good / wall, 3) if wall else None
     out["goodput_frac"] = round(good / len(measured), 4) if measured else None
+    timing = server_timing_p50(ok)
+    if timing:
+        out["server_timing_p50"] = timing
     errors = [s.error for s in measured if s.error]
     if errors:
         out["first_error"] = errors[0]
     return out
+
+
+# the order a request meets them: the gateway's, then the engine's; others after, as they come
+TIMING_ORDER = ("gw", "gw-queue", "connect", "upstream", "tokenize", "queue", "prefill", "decode")
+
+
+def server_timing_p50(samples: list) -> dict[str, float]:
+    """Median ms of each Server-Timing entry over the samples that carry it ({} when none
+    does: the server sends no header, e.g. vLLM, or an archive from before the field)."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        timing = (s.get("server_timing") if isinstance(s, dict)
+                  else getattr(s, "server_timing", None))
+        for name, ms in (timing or {}).items():
+            values.setdefault(name, []).append(ms)
+    names = [n for n in TIMING_ORDER if n in values] + [n for n in values if n not in TIMING_ORDER]
+    return {n: round(percentile(values[n], 50), 3) for n in names}
+
+
+def server_timing_lines(cells: list[dict]) -> list[str]:
+    """One line per cell whose summary has Server-Timing medians, e.g.
+    `tier=512 c=8  server-timing p50 ms: queue 12.1, prefill 80.4, decode 0.9`."""
+    width = max([len(c["label"]) for c in cells] + [4])
+    return [f"{c['label'].ljust(width)}  server-timing p50 ms: " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in c["summary"]["server_timing_p50"].items())
+            for c in cells if c["summary"].get("server_timing_p50")]
 
 
 def fmt(v, width: int = 8, digits: int = 1) -> str:

@@ -20,6 +20,8 @@ TIMING_FASTER = 0.6         # second TTFT at most this fraction of the first: ca
 TIMING_SAME = 0.85          # second TTFT at least this fraction of the first: cache off
 KV_HIGH = 0.9               # KV cache usage that leaves no room for bursts
 SHAREABLE_LOW = 0.5         # two requests sharing less than this of the prompt
+DOMINANT_SHARE = 0.5        # a TTFT segment this share of the client's TTFT or more ...
+DOMINANT_MIN_S = 0.02       # ... and at least this long names the verdict (else: too short)
 
 FIX_BUFFERING = ("turn response buffering off on every hop of the streaming route: nginx "
                  "`proxy_buffering off;` (or have the backend send `X-Accel-Buffering: no`), "
@@ -97,6 +99,100 @@ def client_vs_server(client_ttft: float | None, server_ttft: float | None,
                        "proxies in between, and check the streaming finding above", data)
     return Finding("a", title, "PASS", f"client TTFT {ms(client_ttft)}, server {ms(server_ttft)}"
                    f" ({source}): no time lost in between", data=data)
+
+
+# The TTFT breakdown, from the Server-Timing header (prefixgate.proxy.server_timing): the
+# gateway's entries, the engine's, and what neither accounts for. Per segment: its label in the
+# detail, what the verdict calls it, the status when it dominates, and the fix.
+GATEWAY_ENTRIES = ("gw", "gw-queue", "connect", "upstream")
+ENGINE_ENTRIES = ("tokenize", "queue", "prefill", "decode")
+SEGMENTS = {
+    "gateway": ("gateway", "the gateway's own work", "WARN",
+                "the gateway's own work dominates: check tokenizer-based plugins (prerender) "
+                "and the host's CPU"),
+    "gateway_queue": ("gateway queue", "waiting for admission in the gateway", "WARN",
+                      "requests wait for admission: raise max_inflight if the engines have "
+                      "headroom, else add replicas"),
+    "connect": ("connect", "connecting to the upstream", "WARN",
+                "connections are opened per request: check keep-alive / pool size "
+                "(max_inflight)"),
+    "engine_tokenize": ("engine tokenize", "engine tokenization", "WARN",
+                        "long prompts tokenized per request: pre-render/prefix-stable prompts, "
+                        "or forward tokens"),
+    "engine_queue": ("engine queue", "engine queueing", "WARN",
+                     "add replicas or cap concurrency (the engine's max_num_seqs, or the "
+                     "gateway's admission/max_inflight)"),
+    "prefill": ("prefill", "prefill", "INFO",
+                "prefill dominates, as it should for a cold long prompt: see (b) prefix cache"),
+    "first_decode": ("first decode", "the first decode (token sampled to token sent)", "WARN",
+                     "the engine's event loop is slow to send the first token: too many "
+                     "streams per process?"),
+    "upstream_other": ("upstream other", "upstream time outside the engine", "WARN",
+                       "time between the client and the server: a buffering proxy, the "
+                       "network, or a slow HTTP layer"),
+    "transfer": ("transfer/unaccounted", "transfer/unaccounted time", "WARN",
+                 "time between the client and the server: a buffering proxy, the network, or "
+                 "a slow HTTP layer"),
+}
+_ENTRY_SEGMENT = {"gw": "gateway", "gw-queue": "gateway_queue", "connect": "connect",
+                  "tokenize": "engine_tokenize", "queue": "engine_queue", "prefill": "prefill",
+                  "decode": "first_decode"}
+
+
+def breakdown_segments(client_ms: float, timing: dict[str, float]) -> dict[str, float]:
+    """{segment: ms} of one response's TTFT. Behind the gateway the rest is client TTFT minus
+    (gw + gw-queue + connect + upstream), and upstream minus the engine's entries is "upstream
+    other"; straight at the engine the rest is client TTFT minus the engine's entries."""
+    seg = {_ENTRY_SEGMENT[e]: timing[e] for e in (*GATEWAY_ENTRIES, *ENGINE_ENTRIES)
+           if e in _ENTRY_SEGMENT and e in timing}
+    engine = sum(timing[e] for e in ENGINE_ENTRIES if e in timing)
+    if any(e in timing for e in GATEWAY_ENTRIES):
+        if "upstream" in timing:
+            seg["upstream_other"] = max(0.0, timing["upstream"] - engine)
+        accounted = sum(timing.get(e, 0.0) for e in ("gw", "gw-queue", "connect")) + (
+            timing["upstream"] if "upstream" in timing else engine)
+    else:
+        accounted = engine
+    seg["transfer"] = max(0.0, client_ms - accounted)
+    return {k: round(v, 1) for k, v in seg.items()}
+
+
+def ttft_breakdown(client_ttft: float | None, timing: dict[str, float] | None) -> Finding:
+    """Where the streamed probe's TTFT went, by the response's Server-Timing header."""
+    title = "TTFT breakdown"
+    if not timing:
+        return Finding("a", title, "SKIP", "the server sends no Server-Timing header to break "
+                       "TTFT down with (vLLM doesn't; the bundled engine and the prefixgate "
+                       "gateway do)")
+    known = [e for e in (*GATEWAY_ENTRIES, *ENGINE_ENTRIES) if e in timing]
+    if not known:
+        return Finding("a", title, "SKIP", f"the server's Server-Timing has none of the entries "
+                       f"prefixgate reads ({', '.join(timing)}; expected "
+                       f"{', '.join(GATEWAY_ENTRIES + ENGINE_ENTRIES)})",
+                       data={"server_timing": timing})
+    if client_ttft is None:
+        return Finding("a", title, "SKIP", "no client TTFT measured (the streamed request "
+                       "failed)", data={"server_timing": timing})
+    client_ms = client_ttft * 1000.0
+    seg = breakdown_segments(client_ms, timing)
+    largest = max(seg, key=seg.get)
+    share = seg[largest] / client_ms if client_ms > 0 else 0.0
+    dominant = (largest if share >= DOMINANT_SHARE and seg[largest] >= DOMINANT_MIN_S * 1000
+                else None)
+    data = {"client_ms": round(client_ms, 1), "segments": seg, "dominant": dominant,
+            "share": round(share, 3), "server_timing": timing}
+    parts = ", ".join(f"{SEGMENTS[k][0]} {v:.1f} ms ({v / client_ms:.0%})" if client_ms > 0
+                      else f"{SEGMENTS[k][0]} {v:.1f} ms" for k, v in seg.items())
+    listing = f"client TTFT {client_ms:.1f} ms = {parts}"
+    if dominant is None:
+        why = ("no segment dominates" if share < DOMINANT_SHARE
+               else "too short to matter")
+        return Finding("a", title, "PASS", f"{why} ({listing})", data=data)
+    _, noun, status, fix = SEGMENTS[dominant]
+    detail = f"{share:.0%} of TTFT is {noun} ({listing})"
+    if status == "INFO":
+        detail += f"; {fix}"
+    return Finding("a", title, status, detail, fix, data)
 
 
 # --- (b) prefix cache ----------------------------------------------------------------------

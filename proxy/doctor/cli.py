@@ -3,7 +3,8 @@
     prefixgate doctor http://127.0.0.1:8000 [--request body.json [--request other.json]]
                       [--metrics-url http://engine:8000] [--tokenizer DIR] [--json]
 
-(a) client vs server timing and the inter-chunk arrival pattern (buffering, compression);
+(a) client vs server timing, where the TTFT went by the response's Server-Timing header, and
+the inter-chunk arrival pattern (buffering, compression);
 (b) the same request twice: does the prefix cache work? (c) per-request values in the
 prompt's head and where two requests diverge; (d) KV usage and preemptions from /metrics;
 (e) a verdict per finding, with the fix. Exit status: 0 clean, 1 problems found, 2 could not
@@ -129,6 +130,7 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
         server = pm.mean_delta(m_after or {}, m_end or {}, "server_ttft")
         hist = pm.histogram(m_end or {}, "server_ttft")
         found.insert(1, checks.client_vs_server(stream.ttft, server, hist and hist[0]))
+        found.insert(2, checks.ttft_breakdown(stream.ttft, stream.server_timing))
     found += prompt_findings(bodies, tokenizer, args.model, model)
     found += checks.engine_state(m_start, m_end)
     return found

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from prefixgate.proxy.bench.client import error_message, has_content
+from prefixgate.proxy.bench.client import error_message, has_content, header_timing
 
 ACCEPT_ENCODING = "gzip, deflate, br"     # what httpx (the OpenAI SDK) and browsers send
 
@@ -25,6 +25,7 @@ class Trace:
     ttft: float | None = None             # seconds to the first content event
     end: float | None = None              # seconds to the end of the stream
     reads: list = field(default_factory=list)   # (seconds, raw bytes, content events completed)
+    server_timing: dict[str, float] | None = None  # the Server-Timing header, {name: ms}
 
     @property
     def content_times(self) -> list[float]:
@@ -63,6 +64,7 @@ async def trace_stream(session: aiohttp.ClientSession, url: str, body: dict,
                 **headers, "Accept-Encoding": ACCEPT_ENCODING}) as resp:
             tr.status = resp.status
             tr.headers = {k.lower(): v for k, v in resp.headers.items()}
+            tr.server_timing = header_timing(resp.headers)
             if resp.status != 200:
                 tr.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return tr
