@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from prefixgate.proxy import breakdown
 from prefixgate.proxy.spec import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
@@ -42,8 +43,14 @@ class Metrics(Plugin):
         self.connect = Histogram("prefixgate_upstream_connect_seconds", "Time to open a new "
                                  "upstream connection", ["upstream"],
                                  buckets=LATENCY_BUCKETS, registry=reg)
-        self.requests = Counter("prefixgate_requests", "Requests by final status",
-                                ["status"], registry=reg)
+        self.requests = Counter("prefixgate_requests", "Requests by final status and model "
+                                "(the model only when an upstream serves it, else empty)",
+                                ["status", "model"], registry=reg)
+        self.stages = Histogram("prefixgate_stage_seconds", "Time to first byte taken apart: "
+                                "gateway (own work), queue (admission), connect (pool wait + "
+                                "TCP connect), upstream_ttft (request written -> first byte)",
+                                ["stage"], buckets=LATENCY_BUCKETS, registry=reg)
+        self._stage_children = [(s, self.stages.labels(s)) for s in breakdown.STAGES]
         self.goodput = Counter("prefixgate_goodput", "Successful requests meeting the TTFT "
                                "(and TPOT) SLO", registry=reg)
         reg.register(_InflightCollector(gw))
@@ -53,7 +60,9 @@ class Metrics(Plugin):
         self.connect.labels(upstream.name).observe(seconds)
 
     def on_finish(self, ctx, error):
-        self.requests.labels(str(ctx.status or 0)).inc()
+        # a model no upstream serves is the client's free text: not a label (cardinality)
+        model = ctx.model if ctx.upstream is not None and ctx.model is not None else ""
+        self.requests.labels(str(ctx.status or 0), model).inc()
         queued = ctx.since("plugins_done", "admitted")
         if queued is not None:
             self.queue.observe(queued)
@@ -62,6 +71,9 @@ class Metrics(Plugin):
             return
         name = ctx.upstream.name
         self.ttft.labels(name).observe(ttft)
+        stages = breakdown.segments(ctx)
+        for stage, child in self._stage_children:
+            child.observe(stages[stage])
         tpot = None
         if ctx.chunks > 1 and "done" in ctx.t:
             tpot = ctx.since("first_byte", "done") / (ctx.chunks - 1)

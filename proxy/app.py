@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
+from collections import deque
 from urllib.parse import quote
 
 import aiohttp
@@ -12,10 +14,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
-from prefixgate.proxy import guard
+from prefixgate.proxy import breakdown, guard
 from prefixgate.proxy import h1pool
 from prefixgate.proxy import reload, route
+from prefixgate.proxy import server_timing
 from prefixgate.proxy import token_forward
+from prefixgate.proxy import usage
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.errors import HTTPError
@@ -24,6 +28,7 @@ from prefixgate.proxy.health import Health
 from prefixgate.proxy import multipart
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
+from prefixgate.proxy.observe import Observer
 from prefixgate.proxy.server import json_errors_middleware, parse_json_object
 from prefixgate.proxy.upstream import Upstream
 
@@ -35,6 +40,10 @@ HOP_BY_HOP = frozenset({
     "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
     "expect",      # 100-continue is between the client and us; the body is already coming
 })
+# the upstream's own, replaced by the gateway's (Server-Timing: extended with its entries)
+REPLACED_ANSWER_HEADERS = frozenset({"date", "server", "server-timing"})
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})   # replaced when the gateway traces
+STREAM_TAIL_CHUNKS = 3     # a stream's last chunks kept: its usage event is the last one
 # answers worth another upstream when no byte has reached the client yet (nginx's default set)
 RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -70,9 +79,13 @@ class Gateway:
         self.plugin_keys: list = []         # [(config key, plugin)] in chain order
         self.chain = build_chain(self, config["plugins"])
         self.responses = ResponseStore()
+        # the access log and traces (None when neither is configured: nothing on the path)
+        self.observer = Observer.from_config(config)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.observer is not None:
+            self.observer.start()
         for up in self.upstreams:
             await up.start()
         await self.health.start()
@@ -87,6 +100,8 @@ class Gateway:
         await self.health.close()
         for up in self.upstreams:
             await up.close()
+        if self.observer is not None:
+            await asyncio.to_thread(self.observer.close)
 
     async def set_upstreams(self, configs: list[dict]) -> None:
         """Replace the upstream set (discovery, hot reload) without a restart.
@@ -115,8 +130,9 @@ class Gateway:
         await up.close()
 
     def make_app(self) -> web.Application:
+        observing = [self.observer.middleware()] if self.observer is not None else []
         app = web.Application(client_max_size=self.config["limits"]["max_body_bytes"],
-                              middlewares=[self._errors_middleware()])
+                              middlewares=[*observing, self._errors_middleware()])
         for endpoint in ENDPOINTS + passthrough(self.config["passthrough"]):
             app.router.add_route(endpoint.method, endpoint.path, self._handler(endpoint))
         app.router.add_get("/v1/models", self.handle_models)
@@ -188,6 +204,8 @@ class Gateway:
                              path=endpoint.path, body={}, headers=request.headers,
                              endpoint=endpoint, target=upstream_path(endpoint, request))
         ctx.stamp("received")
+        if self.observer is not None:
+            self.observer.begin(request, ctx)
         chain = ctx.chain = self.chain     # a reload does not change it mid-request
         chain.active += 1
         error: BaseException | None = None
@@ -205,13 +223,14 @@ class Gateway:
                     await hook(ctx)
             ctx.stamp("plugins_done")
             ctx.upstream = self.decide(ctx)
+            ctx.stamp("routed")
             for hook in chain.admit:
                 await hook(ctx)
             ctx.stamp("admitted")
             return await self.forward(request, ctx)
         except HTTPError as e:
             error = e
-            ctx.status = e.status
+            ctx.status, ctx.error = e.status, e.message
             resp = e.response(self._our_headers(ctx))
             if e.headers.get("Connection") == "close":
                 resp.force_close()        # e.g. a trickled body: don't wait for the rest
@@ -219,10 +238,11 @@ class Gateway:
         except (asyncio.CancelledError, ClientGone) as e:
             error = e
             ctx.status = 499          # nginx's "client closed request"
+            ctx.error = ctx.error or "the client closed the connection"
             raise
         except BaseException as e:
             error = e
-            ctx.status = 500
+            ctx.status, ctx.error = 500, f"internal gateway error ({type(e).__name__})"
             raise
         finally:
             ctx.stamp("done")
@@ -337,30 +357,40 @@ class Gateway:
         if as_tokens:
             path = "/v1/completions"
             data = encode_body(token_forward.chat_to_completions(ctx.body, ctx.tokens))
+        attempt = self.observer.attempt(ctx) if self.observer is not None else None
         up.inflight += 1
         upstream_resp: h1pool.Response | None = None
+        started = ctx.stamp("upstream_sent")
+        failure: str | None = None
+        connect_failed = False
         try:
-            ctx.stamp("upstream_sent")
             try:
                 async with asyncio.timeout(up.timeouts["first_byte"]):
                     upstream_resp = await up.pool.request(
-                        ctx.endpoint.method, path, self._upstream_headers(ctx, up), data,
-                        length=ctx.upload_length)     # used by a streamed upload only
+                        ctx.endpoint.method, path, self._upstream_headers(ctx, up, attempt),
+                        data, length=ctx.upload_length)     # used by a streamed upload only
                     first = await upstream_resp.read() if ctx.stream else b""
             except TimeoutError:
-                self.health.bad_answer(up, "first-byte timeout")
+                failure = "first-byte timeout"
+                self.health.bad_answer(up, failure)
                 raise HTTPError(504, f"upstream {up.name} sent no response within "
                                 f"{up.timeouts['first_byte']}s", code="upstream_timeout") from None
             except h1pool.UpstreamError as e:
+                failure = str(e)
                 if e.connect:
-                    self.health.connect_failed(up, str(e))
+                    connect_failed = True
+                    self.health.connect_failed(up, failure)
                 else:
-                    self.health.bad_answer(up, str(e))
-                raise UpstreamFailed(str(e)) from None
+                    self.health.bad_answer(up, failure)
+                raise UpstreamFailed(failure) from None
+            finally:
+                account_attempt(ctx, started, upstream_resp, connect_failed)
+            ctx.upstream_timing = _header(upstream_resp, b"server-timing")
             if upstream_resp.status >= 500:
                 self.health.bad_answer(up, f"HTTP {upstream_resp.status}")
                 if upstream_resp.status in RETRY_STATUSES and self._can_retry(ctx, up):
-                    raise UpstreamFailed(f"HTTP {upstream_resp.status}")
+                    failure = f"HTTP {upstream_resp.status}"
+                    raise UpstreamFailed(failure)
             else:
                 self.health.good_answer(up)
             if ctx.stream and is_event_stream(upstream_resp):
@@ -372,6 +402,8 @@ class Gateway:
             up.inflight -= 1
             if upstream_resp is not None:
                 upstream_resp.close()    # unfinished: drops the connection, the backend stops
+            if attempt is not None:
+                self.observer.attempt_done(ctx, attempt, up, path, upstream_resp, failure)
 
     @staticmethod
     def _as_tokens(ctx: RequestContext, up: Upstream) -> bool:
@@ -388,21 +420,37 @@ class Gateway:
             self.health.bad_answer(up, describe(e))
             raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
                             code="upstream_error") from None
-        problem = broken_success(upstream_resp, first + rest) if ctx.endpoint.prompt else None
+        body = first + rest
+        answer = self._answer(ctx, upstream_resp, body)
+        problem = broken_success(upstream_resp, answer) if ctx.endpoint.prompt else None
         if problem:
             self.health.bad_answer(up, problem)
             raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
-        body = first + rest
         if as_tokens and upstream_resp.status == 200:
-            body = encode_body(token_forward.completion_to_chat(json.loads(body)))
+            body = encode_body(token_forward.completion_to_chat(answer))
         if ctx.endpoint.responses and upstream_resp.status == 200:
             self.responses.learn_whole(body, up.name)
         ctx.stamp("first_byte")
         for hook in ctx.chain.on_first_byte:
             hook(ctx)
-        ctx.status = upstream_resp.status
+        ctx.status, ctx.bytes_out = upstream_resp.status, len(body)
         return web.Response(status=upstream_resp.status, body=body,
                             headers=self._response_headers(ctx, upstream_resp))
+
+    def _answer(self, ctx, upstream_resp, body: bytes) -> dict | None:
+        """A whole JSON answer, parsed when it is checked (chat/completions) or observed
+        (its usage, model and error message go into ctx)."""
+        if "json" not in upstream_resp.content_type or not (
+                ctx.endpoint.prompt or self.observer is not None):
+            return None
+        answer = (usage.from_body(body) if ctx.endpoint.prompt or len(body) <= usage.WHOLE_PARSE_BYTES
+                  else usage.from_large_body(body))
+        if answer is not None:
+            ctx.usage, model = answer.get("usage"), answer.get("model")
+            ctx.response_model = model if isinstance(model, str) else None
+            if upstream_resp.status >= 400:
+                ctx.error = usage.error_message(answer)
+        return answer
 
     async def _relay_stream(self, request, ctx, up, upstream_resp, first,
                             convert: token_forward.StreamConverter | None = None
@@ -416,6 +464,7 @@ class Gateway:
         on_chunk = chain.on_chunk
         idle = up.timeouts["idle"]
         seek_id = b"" if ctx.endpoint.responses else None   # the stream's head, until its id
+        tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if self.observer is not None else None
         try:
             await resp.prepare(request)      # headers are held back and sent with the first chunk
             chunk = first
@@ -424,6 +473,9 @@ class Gateway:
                 hook(ctx)
             while chunk:
                 ctx.chunks += chunk.count(b"data:")
+                ctx.bytes_out += len(chunk)
+                if tail is not None:
+                    tail.append(chunk)
                 for hook in on_chunk:
                     hook(ctx, chunk)
                 if seek_id is not None:
@@ -445,7 +497,7 @@ class Gateway:
                     self.health.bad_answer(up, describe(e))
                     err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
                                     code="upstream_error")
-                    ctx.status = 502
+                    ctx.status, ctx.error = 502, err.message
                     await resp.write(err.sse_event())
                     break
             await resp.write_eof()
@@ -454,8 +506,11 @@ class Gateway:
         return resp
 
     # --- headers ---------------------------------------------------------------------------
-    def _upstream_headers(self, ctx: RequestContext, up: Upstream) -> list[tuple[str, str]]:
+    def _upstream_headers(self, ctx: RequestContext, up: Upstream,
+                          attempt=None) -> list[tuple[str, str]]:
         replaced = up.replaced_headers                # set below, or by the upstream's config
+        if attempt is not None:                       # the gateway's span is the parent now
+            replaced = replaced | TRACE_HEADERS
         key = ctx.key
         if not self.auth.forward:          # a key for the gateway is not one for the backend
             replaced = replaced | {"authorization"}
@@ -474,6 +529,8 @@ class Gateway:
         headers += up.extra_headers.items()
         if key is not None:
             headers += key.upstream_headers.items()
+        if attempt is not None:
+            headers += attempt.headers
         return headers
 
     def _our_headers(self, ctx: RequestContext) -> dict[str, str]:
@@ -486,12 +543,13 @@ class Gateway:
         headers = CIMultiDict()
         for name, value in upstream_resp.headers:
             key = name.decode("latin-1")
-            if key.lower() not in HOP_BY_HOP and key.lower() not in ("date", "server"):
+            if key.lower() not in HOP_BY_HOP and key.lower() not in REPLACED_ANSWER_HEADERS:
                 headers.add(key, value.decode("latin-1"))
         if ctx.stream:
             headers["Cache-Control"] = "no-cache"
             headers["X-Accel-Buffering"] = "no"       # tell any proxy in front not to buffer
         headers.update(self._our_headers(ctx))
+        headers[server_timing.HEADER] = breakdown.header(ctx)
         return headers
 
     # --- other endpoints -------------------------------------------------------------------
@@ -543,17 +601,36 @@ def encode_body(body: dict) -> bytes:
         return json.dumps(body).encode()
 
 
-def broken_success(resp: h1pool.Response, body: bytes) -> str | None:
-    """Why a 2xx completion answer cannot come from an OpenAI-compatible server, if it can't."""
+def broken_success(resp: h1pool.Response, answer: dict | None) -> str | None:
+    """Why a 2xx completion answer cannot come from an OpenAI-compatible server, if it can't
+    (`answer`: its body parsed as a JSON object, or None)."""
     if not 200 <= resp.status < 300 or resp.content_type == "text/event-stream":
         return None
     if "json" not in resp.content_type:
         return f"sent a non-JSON answer ({resp.content_type or 'no content type'})"
-    try:
-        json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return "sent invalid JSON"
+    if answer is None:
+        return "sent invalid JSON (not a JSON object)"
     return None
+
+
+def account_attempt(ctx: RequestContext, started: float, resp: h1pool.Response | None,
+                    connect_failed: bool) -> None:
+    """An attempt's time, split at its request's writing into connect and upstream time
+    (an attempt that failed without an answer: all connect when no connection opened, else
+    all upstream — the request was most likely written)."""
+    now = time.monotonic()
+    if resp is not None:
+        ctx.connect_s += resp.sent_at - started
+        ctx.upstream_s += now - resp.sent_at
+    elif connect_failed:
+        ctx.connect_s += now - started
+    else:
+        ctx.upstream_s += now - started
+
+
+def _header(resp: h1pool.Response, name: bytes) -> str | None:
+    value = resp.header(name)
+    return value.decode("latin-1") if value is not None else None
 
 
 def is_event_stream(resp: h1pool.Response) -> bool:

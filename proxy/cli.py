@@ -265,6 +265,8 @@ async def serve(cfg: dict, reload_config=None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if gateway.observer is not None:       # logrotate: reopen the access log
+            loop.add_signal_handler(signal.SIGUSR1, gateway.observer.reopen)
         if reload_config is not None:
             lock = asyncio.Lock()
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from prefixgate.proxy import auth, discovery, health
+from prefixgate.proxy import access_log, auth, discovery, health, tracing
 from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, positive
 from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
 
@@ -64,6 +64,8 @@ TOP = {
         "port": Key(int, REQUIRED, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
     }),
     "shutdown_timeout_s": Key((int, float), 30.0, positive),   # SIGTERM: in-flight deadline
+    "access_log": Key(dict, None),     # {path: FILE | "-", format: json | text} (access_log.py)
+    "tracing": Key(dict, None),        # {otlp_endpoint: URL, ...} (tracing.py)
 }
 
 
@@ -73,6 +75,8 @@ def validate(raw: Any) -> dict:
     cfg["upstreams"] = check_upstreams(cfg["upstreams"], cfg["timeouts"])
     cfg["health"] = check(cfg["health"], health.SPEC, "health")
     cfg["auth"] = auth.validate(cfg["auth"])
+    cfg["access_log"] = access_log.validate(cfg["access_log"])
+    cfg["tracing"] = tracing.validate(cfg["tracing"])
     if cfg["discovery"] is not None:
         cfg["discovery"] = discovery.validate(cfg["discovery"], cfg["timeouts"])
     if not cfg["upstreams"] and cfg["bundled"] is None and cfg["discovery"] is None:

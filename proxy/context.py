@@ -24,8 +24,10 @@ class RequestContext:
     model: str | None = None                   # the body's model (after model_aliases)
     stream: bool = False
     priority: int = 0
-    # monotonic stamps: received, parsed, plugins_done, admitted, upstream_sent, first_byte, done
+    # monotonic stamps: received, parsed, plugins_done, routed, admitted, upstream_sent,
+    # first_byte, done
     t: dict[str, float] = field(default_factory=dict)
+    wall: float = 0.0                          # time.time() at arrival (access log, spans)
     upstream: Any = None                       # the chosen proxy.upstream.Upstream
     route_info: dict = field(default_factory=dict)   # why it was chosen (scores, matched blocks)
     tokens: list[int] | None = None            # prompt token ids, when a tokenizer is configured
@@ -37,6 +39,18 @@ class RequestContext:
     status: int | None = None                  # status sent to the client
     chunks: int = 0                            # SSE data events seen (≈ tokens) for TPOT
     attempts: int = 0                          # upstreams tried
+    # the TTFT breakdown (proxy/breakdown.py): seconds summed over attempts, and what the
+    # upstream's `Server-Timing` said
+    connect_s: float = 0.0                     # pool wait + TCP connect
+    upstream_s: float = 0.0                    # request written -> the upstream's first byte
+    upstream_timing: str | None = None
+    # the answer (proxy/usage.py): the last chunks of a stream, where its usage event is
+    tail: Any = None
+    usage: dict | None = None                  # the upstream's `usage`
+    response_model: str | None = None          # the model the upstream says answered
+    bytes_out: int = 0                         # body bytes relayed to the client
+    error: str | None = None                   # why it failed (status >= 400, mid-stream)
+    trace: Any = None                          # its proxy.tracing.Trace, when traced
     state: dict = field(default_factory=dict)  # a plugin's private data, keyed by its name
 
     def stamp(self, name: str) -> float:

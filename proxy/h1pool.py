@@ -47,6 +47,7 @@ class Response:
         self._buffered = 0
         self._waiter: asyncio.Future | None = None
         self._headers_done: asyncio.Future = conn.loop.create_future()
+        self.sent_at = time.monotonic()      # made just before its request head is written
 
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers:

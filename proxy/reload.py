@@ -91,7 +91,7 @@ async def _apply_upstreams(gw, configs: list[dict]) -> None:
 
 
 def _warn_restart_only(old: dict, new: dict) -> None:
-    for key in ("listen", "admin_listen", "bundled", "model"):
+    for key in ("listen", "admin_listen", "bundled", "model", "access_log", "tracing"):
         if old.get(key) != new.get(key):
             log.warning("config key %r changed: it takes effect after a restart", key)
     for key in ("max_body_bytes", "max_header_bytes", "max_line_bytes", "max_headers"):

@@ -80,8 +80,10 @@ async def test_health_and_metrics(make_standin, make_gateway):
             text = await r.text()
             assert r.headers["Content-Type"].startswith("text/plain")
     value = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
-    assert value('prefixgate_requests_total{status="200"}') == 3
-    assert value('prefixgate_requests_total{status="400"}') == 1
+    assert value('prefixgate_requests_total{model="standin-model",status="200"}') == 3
+    assert value('prefixgate_requests_total{model="",status="400"}') == 1     # no model read
+    for stage in ("gateway", "queue", "connect", "upstream_ttft"):   # the TTFT breakdown
+        assert value(f'prefixgate_stage_seconds_count{{stage="{stage}"}}') == 3
     assert value('prefixgate_ttft_seconds_count{upstream="a"}') == 3
     assert value('prefixgate_tpot_seconds_count{upstream="a"}') == 3
     assert value("prefixgate_goodput_total") == 3

@@ -52,7 +52,7 @@ async def test_reload_swaps_upstreams_and_plugins_without_dropping_streams(make_
             text = await r.text()
     # the unchanged metrics plugin (and its counts) survived; admission was rebuilt
     assert next(p for p in g.chain.plugins if p.name == "metrics") is metrics_before
-    assert 'prefixgate_requests_total{status="200"} 4.0' in text
+    assert 'prefixgate_requests_total{model="standin-model",status="200"} 4.0' in text
     assert next(p for p in g.chain.plugins if p.name == "admission").cfg["max_inflight"] == 8
     await asyncio.sleep(0.3)
     assert [u.name for u in g.upstreams] == ["b"]

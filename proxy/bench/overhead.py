@@ -6,6 +6,10 @@ HTTP/1.1 upstream keep-alive), and through `prefixgate serve`. Each server runs 
 process; this process is the client. Prints medians over rounds and ratios vs nginx.
 
     python -m prefixgate.proxy.bench.overhead --concurrency 1,32 --requests 2000 --rounds 3
+
+`--observe` adds two more gateways: `gateway+log` (the JSON access log to a file) and
+`gateway+trace` (tracing at sample ratio 1.0 to a live OTLP/HTTP receiver in its own process),
+reported against the plain gateway of the same round.
 """
 from __future__ import annotations
 
@@ -115,8 +119,9 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def start_servers(tmp: Path, tokens: int, nginx_bin: str | None) -> tuple[dict, list, dict]:
-    """Start the upstream, nginx and the gateway; return their URLs, processes and the pid
+def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
+                  observe: bool = False) -> tuple[dict, list, dict]:
+    """Start the upstream, nginx and the gateway(s); return their URLs, processes and the pid
     whose CPU counts as each target's proxy cost (none for direct)."""
     procs, targets, pids = [], {}, {}
     up_port = free_port("127.0.0.1")
@@ -130,16 +135,25 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None) -> tuple[dict, 
         procs.append(spawn([nginx_bin, "-c", str(conf), "-p", str(tmp)]))
         targets["nginx"] = f"http://127.0.0.1:{port}"
         pids["nginx"] = procs[-1].pid
-    port = free_port("127.0.0.1")
-    cfg = tmp / "gateway.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   f"upstreams:\n  - {{name: a, url: 'http://127.0.0.1:{up_port}', "
-                   f"max_inflight: 4096, max_connections: 128}}\n"
-                   f"plugins:\n  - least_inflight: {{}}\n  - metrics: {{}}\n")
-    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config",
-                        str(cfg), "--log-level", "warning"]))
-    targets["gateway"] = f"http://127.0.0.1:{port}"
-    pids["gateway"] = procs[-1].pid
+    extras = {"gateway": ""}
+    if observe:
+        otlp_port = free_port("127.0.0.1")
+        procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.otlp", "--port",
+                            str(otlp_port)]))
+        extras["gateway+log"] = f"access_log: {{path: '{tmp / 'access.log'}', format: json}}\n"
+        extras["gateway+trace"] = (f"tracing: {{otlp_endpoint: 'http://127.0.0.1:{otlp_port}',"
+                                   f" sample_ratio: 1.0}}\n")
+    for name, extra in extras.items():
+        port = free_port("127.0.0.1")
+        cfg = tmp / f"{name}.yaml"
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                       f"upstreams:\n  - {{name: a, url: 'http://127.0.0.1:{up_port}', "
+                       f"max_inflight: 4096, max_connections: 128}}\n"
+                       f"plugins:\n  - least_inflight: {{}}\n  - metrics: {{}}\n{extra}")
+        procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config",
+                            str(cfg), "--log-level", "warning"]))
+        targets[name] = f"http://127.0.0.1:{port}"
+        pids[name] = procs[-1].pid
     return targets, procs, pids
 
 
@@ -150,7 +164,7 @@ async def measure(args) -> dict:
         print("nginx not found (apt-get install nginx): measuring direct and gateway only",
               file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="pg-overhead-") as tmpdir:
-        targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin)
+        targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin, args.observe)
         try:
             for url in targets.values():
                 await wait_ready(url)
@@ -179,14 +193,19 @@ async def measure(args) -> dict:
 
 def report(results: dict) -> str:
     lines = ["| concurrency | target | TTFT p50 (ms) | TTFT p99 (ms) | req/s | p50 − nginx (ms) "
-             "| req/s vs nginx | proxy CPU (µs/req) |", "|---|---|---|---|---|---|---|---|"]
+             "| req/s vs nginx | p50 − gateway (ms) | req/s vs gateway | proxy CPU (µs/req) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c, per in results.items():
-        base = per.get("nginx")
+        base, plain = per.get("nginx"), per.get("gateway")
         for t, m in per.items():
             d = f"{m['p50_ms'] - base['p50_ms']:+.3f}" if base else "–"
             ratio = f"{m['rps'] / base['rps']:.0%}" if base else "–"
+            observed = t.startswith("gateway+")
+            dg = f"{m['p50_ms'] - plain['p50_ms']:+.3f}" if observed else "–"
+            rg = f"{m['rps'] / plain['rps']:.0%}" if observed else "–"
             lines.append(f"| {c} | {t} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | "
-                         f"{m['rps']:.0f} | {d} | {ratio} | {m['proxy_cpu_us']:.0f} |")
+                         f"{m['rps']:.0f} | {d} | {ratio} | {dg} | {rg} | "
+                         f"{m['proxy_cpu_us']:.0f} |")
     return "\n".join(lines)
 
 
@@ -200,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--tokens", type=int, default=1, help="SSE content events per response")
     p.add_argument("--no-nginx", action="store_true")
+    p.add_argument("--observe", action="store_true",
+                   help="also measure the gateway with the access log on and with tracing on")
     p.add_argument("--out", help="save results and settings as JSON")
     args = p.parse_args(argv)
     install_uvloop()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from prefixgate.proxy.server import start_app
+from prefixgate.proxy.server import install_uvloop, start_app
 
 KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 
@@ -94,3 +94,32 @@ class OtlpReceiver:
 
     def named(self, name: str) -> list[dict]:
         return [s for s in self.spans if s["name"] == name]
+
+
+async def _serve(port: int) -> None:
+    receiver = await OtlpReceiver().start(port=port)
+    print(f"otlp receiver on {receiver.url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        print(f"received {len(receiver.spans)} spans in {receiver.posts} exports", flush=True)
+        await receiver.stop()
+
+
+def main(argv=None) -> int:
+    """`python -m prefixgate.proxy.testing.otlp --port 4318`: a receiver that keeps spans."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.testing.otlp")
+    p.add_argument("--port", type=int, default=4318)
+    args = p.parse_args(argv)
+    install_uvloop()
+    try:
+        asyncio.run(_serve(args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

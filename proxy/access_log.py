@@ -1,0 +1,168 @@
+"""The access log: one line per request when it ends, like nginx's `access_log`.
+
+    access_log: {path: /var/log/prefixgate/access.log, format: json}   # or path "-": stdout
+
+The event loop only hands each finished request's fields to a queue; a writer thread formats
+the lines and writes whatever has gathered in one `write` on an O_APPEND descriptor, so a
+line is never split or interleaved and a slow disk never stalls a request. SIGUSR1 reopens
+the file (after logrotate moved it). A write that fails (disk full) drops lines with a log
+message a minute, never a request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+
+from prefixgate.proxy.spec import ConfigError, Key, check, one_of
+
+log = logging.getLogger("prefixgate.access")
+
+SPEC = {
+    "path": Key(str, "-"),                             # a file, or "-" for stdout
+    "format": Key(str, "json", one_of("json", "text")),
+}
+# every JSON line has every key (null when unknown), in this order
+FIELDS = ("ts", "request_id", "client", "key", "method", "path", "model", "stream", "status",
+          "upstream", "attempts", "route", "moved", "prompt_tokens", "cached_tokens",
+          "completion_tokens", "ttft_ms", "gateway_ms", "queue_ms", "connect_ms",
+          "upstream_ttft_ms", "engine_queue_ms", "prefill_ms", "first_decode_ms",
+          "duration_ms", "bytes_out", "error")
+_REOPEN, _STOP = object(), object()
+WARN_EVERY_S = 60.0
+
+
+def validate(raw, path: str = "access_log") -> dict | None:
+    if raw is None:
+        return None
+    cfg = check(raw, SPEC, path)
+    if cfg["path"] != "-":
+        folder = os.path.dirname(os.path.abspath(cfg["path"]))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{path}.path", f"folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) and not os.access(cfg["path"], os.W_OK):
+            raise ConfigError(f"{path}.path", f"cannot write to {cfg['path']}")
+    return cfg
+
+
+class AccessLog:
+    def __init__(self, cfg: dict):
+        self.path = cfg["path"]
+        self.format = text_line if cfg["format"] == "text" else json_line
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._fd = -1
+        self._thread = threading.Thread(target=self._run, name="prefixgate-access-log",
+                                        daemon=True)
+        self._warned_at = 0.0
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._fd = self._open()
+        self._thread.start()
+
+    def write(self, fields: dict) -> None:
+        """Queue one finished request's fields (the keys of FIELDS); never blocks."""
+        self._queue.put(fields)
+
+    def reopen(self) -> None:
+        """Reopen the file by its name (SIGUSR1, after logrotate moved it)."""
+        self._queue.put(_REOPEN)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then close the file."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout_s)
+
+    # --- the writer thread -----------------------------------------------------------------
+    def _open(self) -> int:
+        if self.path == "-":
+            return sys.stdout.fileno()
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while len(items) < 4096:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            lines = []
+            for item in items:
+                if item is _REOPEN or item is _STOP:
+                    self._flush(lines)
+                    lines = []
+                    if item is _STOP:
+                        self._close_fd()
+                        return
+                    self._reopen()
+                else:
+                    lines.append(self.format(item))
+            self._flush(lines)
+
+    def _flush(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        data = ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            self.dropped += len(lines)
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("access log %s: write failed (%s); %d lines dropped so far",
+                            self.path, e.strerror or e, self.dropped)
+
+    def _reopen(self) -> None:
+        if self.path == "-":
+            return
+        try:
+            fd = self._open()
+        except OSError as e:
+            log.warning("access log %s: reopen failed (%s); still writing to the old file",
+                        self.path, e.strerror or e)
+            return
+        self._close_fd()
+        self._fd = fd
+
+    def _close_fd(self) -> None:
+        if self.path != "-":
+            os.close(self._fd)
+
+
+def json_line(fields: dict) -> str:
+    fields = {**fields, "ts": iso_utc(fields["ts"])}
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def text_line(f: dict) -> str:
+    """nginx's combined-like line, then key=value pairs:
+    `127.0.0.1 - web [01/Dec/2026:20:00:00 +0000] "POST /v1/chat/completions" 200 1234 ...`"""
+    ts = datetime.fromtimestamp(f["ts"], timezone.utc).strftime("%d/%b/%Y:%H:%M:%S +0000")
+    head = (f'{f["client"] or "-"} - {f["key"] or "-"} [{ts}] "{f["method"]} {f["path"]}" '
+            f'{f["status"]} {f["bytes_out"]}')
+    pairs = [f"{k}={_text_value(f[k])}" for k in FIELDS[6:] if k not in ("status", "bytes_out")
+             and f[k] is not None]
+    return " ".join([head, f"request_id={f['request_id']}", *pairs])
+
+
+def _text_value(value) -> str:
+    if isinstance(value, str):
+        return value if value and not any(c in value for c in ' "=\n') else json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, list) else str(value)
+
+
+def iso_utc(epoch_s: float) -> str:
+    """ISO 8601 UTC with milliseconds: 2026-12-01T20:00:00.123Z"""
+    return datetime.fromtimestamp(epoch_s, timezone.utc).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")

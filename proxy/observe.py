@@ -1,0 +1,216 @@
+"""Seeing every request: its access-log line and its spans, made when it ends.
+
+The gateway calls `begin` as a request arrives, `attempt`/`attempt_done` around each upstream
+attempt (a CLIENT span, and the `traceparent` the upstream gets), and the middleware ends
+every request — proxied or not (/health, /v1/models, the router's 404) — with `conclude`.
+Nothing here runs when neither `access_log:` nor `tracing:` is configured (the gateway holds
+no Observer then).
+
+Spans follow the GenAI semantic conventions: the SERVER span is named
+`{gen_ai.operation.name} {gen_ai.request.model}` ("chat llama-3-8b") with `gen_ai.*`
+attributes, the breakdown as `prefixgate.*`; each attempt is a CLIENT span
+`POST /v1/chat/completions` with the upstream's address.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from prefixgate.proxy import access_log, breakdown, usage
+from prefixgate.proxy.access_log import AccessLog
+from prefixgate.proxy.tracing import SpanExport
+
+# where a proxied request's RequestContext waits for the middleware (aiohttp >= 3.12 has typed keys)
+CTX_KEY = (web.RequestKey("prefixgate.ctx", object) if hasattr(web, "RequestKey")
+           else "prefixgate.ctx")
+# gen_ai.operation.name per endpoint (GenAI semconv's well-known values where one fits)
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
+              "/v1/embeddings": "embeddings", "/v1/responses": "chat"}
+
+
+@dataclass(slots=True)
+class Attempt:
+    span_id: int
+    start_ns: int
+    headers: list[tuple[str, str]]     # traceparent (+ tracestate) for the upstream
+
+
+class Observer:
+    def __init__(self, log: AccessLog | None, spans: SpanExport | None):
+        self.log = log
+        self.spans = spans
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Observer | None":
+        log_cfg, trace_cfg = config.get("access_log"), config.get("tracing")
+        if log_cfg is None and trace_cfg is None:
+            return None
+        return cls(AccessLog(log_cfg) if log_cfg is not None else None,
+                   SpanExport(trace_cfg) if trace_cfg is not None else None)
+
+    def start(self) -> None:
+        if self.log is not None:
+            self.log.start()
+        if self.spans is not None:
+            self.spans.start()
+
+    def close(self) -> None:
+        """Flush and stop (blocking: call it off the event loop)."""
+        if self.spans is not None:
+            self.spans.close()
+        if self.log is not None:
+            self.log.close()
+
+    def reopen(self) -> None:
+        """SIGUSR1: reopen the access log file."""
+        if self.log is not None:
+            self.log.reopen()
+
+    # --- a request's life ----------------------------------------------------------------
+    def begin(self, request: web.Request, ctx) -> None:
+        ctx.wall = time.time()
+        request[CTX_KEY] = ctx
+        if self.spans is not None:
+            ctx.trace = self.spans.begin(request.headers)
+
+    def attempt(self, ctx) -> Attempt | None:
+        trace = ctx.trace
+        if trace is None:
+            return None
+        span_id = self.spans.new_span_id()
+        headers = [("traceparent", trace.traceparent(span_id))]
+        if trace.tracestate:
+            headers.append(("tracestate", trace.tracestate))
+        return Attempt(span_id, time.time_ns(), headers)
+
+    def attempt_done(self, ctx, attempt: Attempt, up, path: str, resp,
+                     failure: str | None) -> None:
+        status = resp.status if resp is not None else None
+        attrs = {"http.request.method": ctx.endpoint.method, "url.full": up.url + path,
+                 "server.address": up.pool.host, "server.port": up.pool.port,
+                 "prefixgate.upstream": up.name, "prefixgate.attempt": ctx.attempts}
+        if ctx.model is not None:
+            attrs["gen_ai.request.model"] = ctx.model
+        if status is not None:
+            attrs["http.response.status_code"] = status
+        error = failure or (f"HTTP {status}" if status is not None and status >= 500 else None)
+        if error is not None:
+            attrs["error.type"] = str(status) if failure is None else "upstream_failed"
+        self.spans.record(ctx.trace, f"{ctx.endpoint.method} {ctx.path}", SpanExport.CLIENT,
+                          attempt.span_id, ctx.trace.span_id, attempt.start_ns, time.time_ns(),
+                          attrs, error)
+
+    def middleware(self):
+        @web.middleware
+        async def observe(request: web.Request, handler):
+            started, wall = time.monotonic(), time.time()
+            try:
+                resp = await handler(request)
+            except BaseException as e:
+                self.conclude(request, None, started, wall, e)
+                raise
+            self.conclude(request, resp, started, wall)
+            return resp
+        return observe
+
+    def conclude(self, request: web.Request, resp, started: float, wall: float,
+                 failed: BaseException | None = None) -> None:
+        ctx = request.get(CTX_KEY)
+        if ctx is None:
+            fields = self._plain_fields(request, resp, started, wall, failed)
+        else:
+            fields = self._fields(request, ctx, resp)
+        if self.log is not None:
+            self.log.write(fields)
+        if ctx is not None and ctx.trace is not None:
+            self._server_span(request, ctx, fields)
+
+    # --- what is written -----------------------------------------------------------------
+    def _fields(self, request: web.Request, ctx, resp) -> dict:
+        if ctx.tail:
+            answer = usage.from_stream(ctx.tail)
+            if answer is not None:
+                ctx.usage, model = answer.get("usage"), answer.get("model")
+                ctx.response_model = model if isinstance(model, str) else ctx.response_model
+        prompt, cached, completion = usage.tokens(ctx.usage)
+        end = ctx.t.get("done", time.monotonic())
+        fields = {
+            "ts": ctx.wall, "request_id": ctx.request_id, "client": request.remote,
+            "key": ctx.key.name if ctx.key is not None else None,
+            "method": request.method, "path": request.path, "model": ctx.model,
+            "stream": ctx.stream, "status": ctx.status or _status(resp),
+            "upstream": ctx.upstream.name if ctx.upstream is not None else None,
+            "attempts": ctx.attempts, "route": _route(ctx),
+            "moved": [f"{m['type']}:{m['label']}" for m in ctx.moved] or None,
+            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
+            **breakdown.fields(ctx),
+            "duration_ms": round((end - ctx.t["received"]) * 1e3, 3),
+            "bytes_out": ctx.bytes_out or _body_length(resp), "error": ctx.error,
+        }
+        return fields
+
+    @staticmethod
+    def _plain_fields(request, resp, started, wall, failed) -> dict:
+        """A request that was not proxied (/health, /metrics, /v1/models, an unknown path)."""
+        fields = dict.fromkeys(access_log.FIELDS)
+        status = 499 if failed is not None else _status(resp)
+        fields.update(ts=wall, request_id=request.headers.get("x-request-id"),
+                      client=request.remote, method=request.method, path=request.path,
+                      stream=False, status=status, attempts=0,
+                      duration_ms=round((time.monotonic() - started) * 1e3, 3),
+                      bytes_out=_body_length(resp),
+                      error="the client closed the connection" if failed is not None else None)
+        return fields
+
+    def _server_span(self, request: web.Request, ctx, f: dict) -> None:
+        op = OPERATIONS.get(ctx.path) or ctx.path.rsplit("/", 1)[-1].strip("{}") or "request"
+        status = f["status"]
+        attrs = {"gen_ai.operation.name": op, "http.request.method": request.method,
+                 "url.path": request.path, "http.response.status_code": status,
+                 "prefixgate.request_id": ctx.request_id, "prefixgate.attempts": ctx.attempts,
+                 "prefixgate.stream": ctx.stream}
+        if request.remote:
+            attrs["client.address"] = request.remote
+        max_tokens = ctx.body.get("max_completion_tokens", ctx.body.get("max_tokens"))
+        for key, value in (("gen_ai.request.model", ctx.model),
+                           ("gen_ai.response.model", ctx.response_model),
+                           ("gen_ai.request.max_tokens", max_tokens),
+                           ("gen_ai.usage.input_tokens", f["prompt_tokens"]),
+                           ("gen_ai.usage.output_tokens", f["completion_tokens"]),
+                           ("prefixgate.cached_tokens", f["cached_tokens"]),
+                           ("prefixgate.upstream", f["upstream"]),
+                           ("prefixgate.route", f["route"]), ("prefixgate.key", f["key"])):
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                attrs[key] = value
+        for key in breakdown.FIELD_NAMES:
+            if f[key] is not None:
+                attrs[f"prefixgate.{key}"] = f[key]
+        error = None
+        if status >= 500:             # a server span's error: the server failed (semconv)
+            attrs["error.type"] = str(status)
+            error = ctx.error or f"HTTP {status}"
+        name = f"{op} {ctx.model}" if ctx.model else op
+        self.spans.record(ctx.trace, name, SpanExport.SERVER, ctx.trace.span_id,
+                          ctx.trace.parent_id, int(ctx.wall * 1e9), time.time_ns(), attrs, error)
+
+
+def _route(ctx) -> str | None:
+    """Why this upstream: the routing plugin's account, else the scorers' names."""
+    told = ctx.response_headers.get("x-prefixgate-route")
+    if told is not None:
+        return told
+    if ctx.upstream is None or ctx.chain is None:
+        return None
+    return ",".join(s.name for s in ctx.chain.scorers) or None
+
+
+def _status(resp) -> int:
+    return resp.status if resp is not None else 500
+
+
+def _body_length(resp) -> int:
+    body = getattr(resp, "body", None)
+    return len(body) if isinstance(body, (bytes, bytearray)) else 0
+
