@@ -33,8 +33,9 @@ FIELDS = ("ts", "request_id", "client", "key", "method", "path", "model", "strea
           "completion_tokens", "ttft_ms", "gateway_ms", "queue_ms", "connect_ms",
           "upstream_ttft_ms", "engine_queue_ms", "prefill_ms", "first_decode_ms",
           "duration_ms", "bytes_out", "error")
-_REOPEN, _STOP = object(), object()
+_WAKE, _STOP = object(), object()
 WARN_EVERY_S = 60.0
+MAX_PENDING = 100_000          # lines waiting for a disk that does not keep up; then dropped
 
 
 def validate(raw, path: str = "access_log") -> dict | None:
@@ -54,12 +55,14 @@ class AccessLog:
     def __init__(self, cfg: dict):
         self.path = cfg["path"]
         self.format = text_line if cfg["format"] == "text" else json_line
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.Queue = queue.Queue(MAX_PENDING)
+        self._reopen = threading.Event()
         self._fd = -1
         self._thread = threading.Thread(target=self._run, name="prefixgate-access-log",
                                         daemon=True)
         self._warned_at = 0.0
         self.dropped = 0
+        self._dropped_told = 0
 
     def start(self) -> None:
         self._fd = self._open()
@@ -67,16 +70,27 @@ class AccessLog:
 
     def write(self, fields: dict) -> None:
         """Queue one finished request's fields (the keys of FIELDS); never blocks."""
-        self._queue.put(fields)
+        try:
+            self._queue.put_nowait(fields)
+        except queue.Full:
+            self.dropped += 1
 
     def reopen(self) -> None:
-        """Reopen the file by its name (SIGUSR1, after logrotate moved it)."""
-        self._queue.put(_REOPEN)
+        """Reopen the file by its name (SIGUSR1, after logrotate moved it): lines queued
+        from now on go to the new file."""
+        self._reopen.set()
+        try:
+            self._queue.put_nowait(_WAKE)
+        except queue.Full:
+            pass                  # the writer is busy anyway: it sees the flag next round
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then close the file."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
+            try:
+                self._queue.put(_STOP, timeout=timeout_s)
+            except queue.Full:          # a disk that hangs: give up on what is queued
+                return
             self._thread.join(timeout_s)
 
     # --- the writer thread -----------------------------------------------------------------
@@ -93,18 +107,25 @@ class AccessLog:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            lines = []
+            lines, stop = [], False
             for item in items:
-                if item is _REOPEN or item is _STOP:
-                    self._flush(lines)
+                if item is _STOP:
+                    stop = True
+                elif item is _WAKE:
+                    self._flush(lines)          # what came before the signal: the old file
                     lines = []
-                    if item is _STOP:
-                        self._close_fd()
-                        return
-                    self._reopen()
+                    if self._reopen.is_set():
+                        self._reopen.clear()
+                        self._reopen_file()
                 else:
                     lines.append(self.format(item))
             self._flush(lines)
+            if self.dropped > self._dropped_told:       # the queue overflowed meanwhile
+                self._dropped_told = self.dropped
+                self._warn_dropped("lines come faster than the file takes them")
+            if stop:
+                self._close_fd()
+                return
 
     def _flush(self, lines: list[str]) -> None:
         if not lines:
@@ -115,13 +136,17 @@ class AccessLog:
                 data = data[os.write(self._fd, data):]
         except OSError as e:
             self.dropped += len(lines)
-            now = time.monotonic()
-            if now - self._warned_at >= WARN_EVERY_S:
-                self._warned_at = now
-                log.warning("access log %s: write failed (%s); %d lines dropped so far",
-                            self.path, e.strerror or e, self.dropped)
+            self._dropped_told += len(lines)
+            self._warn_dropped(f"write failed ({e.strerror or e})")
 
-    def _reopen(self) -> None:
+    def _warn_dropped(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("access log %s: %s; %d lines dropped so far", self.path, why,
+                        self.dropped)
+
+    def _reopen_file(self) -> None:
         if self.path == "-":
             return
         try:

@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "MODEL_DIR's config has it already)")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument("--access-log", metavar="PATH",
+                       help="write the access log, one JSON line per request, to PATH (`-`: "
+                            "stdout; overrides access_log.path)")
+    serve.add_argument("--otlp-traces-endpoint", metavar="URL",
+                       help="export OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+                            "http://localhost:4318 (vLLM's flag; overrides "
+                            "tracing.otlp_endpoint; needs the `otel` extra)")
     serve.add_argument("--print-config", action="store_true",
                        help="print the config as YAML (what you would write for --config) "
                             "and exit without starting anything")
@@ -181,6 +188,10 @@ def raw_config(args) -> dict:
             listen["host"] = args.host
         if args.port is not None:
             listen["port"] = args.port
+    if args.access_log:
+        raw["access_log"] = {**(raw.get("access_log") or {}), "path": args.access_log}
+    if args.otlp_traces_endpoint:
+        raw["tracing"] = {**(raw.get("tracing") or {}), "otlp_endpoint": args.otlp_traces_endpoint}
     return raw
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from prefixgate.proxy import access_log, breakdown, usage
 from prefixgate.proxy.access_log import AccessLog
-from prefixgate.proxy.tracing import SpanExport
+from prefixgate.proxy.span_export import SpanExport
 
 # where a proxied request's RequestContext waits for the middleware (aiohttp >= 3.12 has typed keys)
 CTX_KEY = (web.RequestKey("prefixgate.ctx", object) if hasattr(web, "RequestKey")
@@ -149,6 +149,8 @@ class Observer:
             "duration_ms": round((end - ctx.t["received"]) * 1e3, 3),
             "bytes_out": ctx.bytes_out or _body_length(resp), "error": ctx.error,
         }
+        if fields["error"] is None and fields["status"] >= 400:    # a non-JSON error answer
+            fields["error"] = f"HTTP {fields['status']}"
         return fields
 
     @staticmethod

@@ -53,6 +53,16 @@ def test_print_config_for_a_model_dir_keeps_the_standalone_settings(tmp_path):
                                       {"prefix_route": {"policy": "cache_aware"}}, METRICS]
 
 
+def test_access_log_and_tracing_flags_become_their_config_sections():
+    cfg = printed("--upstream", "http://10.0.0.1:8000", "--access-log", "-",
+                  "--otlp-traces-endpoint", "http://collector:4318")
+    assert cfg["access_log"] == {"path": "-"}
+    assert cfg["tracing"] == {"otlp_endpoint": "http://collector:4318"}
+    bad = run_cli("--upstream", "http://10.0.0.1:8000", "--otlp-traces-endpoint", "collector",
+                  "--print-config")
+    assert bad.returncode != 0 and "tracing.otlp_endpoint: must be an http(s) URL" in bad.stderr
+
+
 def test_print_config_for_the_demo_and_for_nothing_is_the_standalone_config():
     assert printed("demo") == STANDALONE
     assert printed() == STANDALONE

@@ -194,3 +194,29 @@ async def test_reload_keeps_dns_discovered_upstreams(make_standin, make_gateway)
                                                              "interval_s": 30}}))
     assert g.discovery is not old and g.discovery.cfg["interval_s"] == 30
     assert [u.name for u in g.upstreams] == ["static"]   # the real lookup of *.invalid fails
+
+
+async def test_sigusr1_reopens_the_access_log_of_a_running_serve(tmp_path, make_standin,
+                                                                 serve_process):
+    up = await make_standin()
+    path, log = tmp_path / "gw.yaml", tmp_path / "access.log"
+    write(path, {"listen": {"port": 0}, "health": {"interval_s": 0},
+                 "upstreams": [{"name": "a", "url": up.url}],
+                 "access_log": {"path": str(log)}})
+    gw = await serve_process(path)
+
+    async def lines(p, n):
+        async with asyncio.timeout(5):
+            while not p.exists() or p.read_text().count("\n") < n:
+                await asyncio.sleep(0.02)
+        return p.read_text().splitlines()
+    async with aiohttp.ClientSession() as client:
+        await stream(client, gw.url)
+        assert len(await lines(log, 1)) == 1
+        log.rename(tmp_path / "access.log.1")          # logrotate moves it ...
+        gw.signal(signal.SIGUSR1)                      # ... and signals, as for nginx
+        await asyncio.sleep(0.2)
+        await stream(client, gw.url)
+        assert len(await lines(log, 1)) == 1           # the new request, in a new file
+    assert len((tmp_path / "access.log.1").read_text().splitlines()) == 1
+    assert gw.proc.returncode is None

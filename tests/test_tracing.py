@@ -213,3 +213,25 @@ async def test_engine_spans_join_the_gateways_trace_and_its_timing_reaches_the_l
     assert line["prefill_ms"] <= line["upstream_ttft_ms"] + 0.1   # the engine's part is inside
     assert line["completion_tokens"] == 4 and line["prompt_tokens"] > 0
     assert server["attributes"]["prefixgate.prefill_ms"] == line["prefill_ms"]
+
+
+def test_the_export_encoding_is_what_opentelemetry_proto_decodes():
+    from prefixgate.proxy.span_export import CLIENT, SERVER, Encoder
+    from prefixgate.proxy.testing.otlp import decode
+
+    attrs = {"s": "ünïcode ✓", "t": True, "f": False, "i": 7, "neg": -3, "big": 2**62,
+             "d": 12.5, "z": 0.0, "nd": -1e-9}
+    batch = [("chat m", SERVER, 2**127 + 5, 2**63 + 1, None, 10, 20, attrs, None),
+             ("POST /x", CLIENT, 2**127 + 5, 42, 2**63 + 1, 11, 19, {"s": "ünïcode ✓"}, "boom"),
+             ("chat m", SERVER, 1, 2, 3, 1, 2, {**attrs, "d": 99.25}, None)]   # reused encodings
+    encoder = Encoder("svc")
+    spans = decode(encoder.encode(batch))
+    assert decode(encoder.encode(batch)) == spans          # the same bytes' meaning, twice
+    first, second, third = spans
+    assert first["attributes"] == attrs and first["service"] == "svc"
+    assert first["trace_id"] == f"{2**127 + 5:032x}" and first["span_id"] == f"{2**63 + 1:016x}"
+    assert first["parent_span_id"] is None and first["kind"] == "SERVER"
+    assert (first["start_ns"], first["end_ns"]) == (10, 20) and first["status"] == 0
+    assert second["parent_span_id"] == f"{2**63 + 1:016x}" and second["kind"] == "CLIENT"
+    assert second["status"] == 2 and second["name"] == "POST /x"
+    assert third["attributes"]["d"] == 99.25 and third["attributes"]["neg"] == -3

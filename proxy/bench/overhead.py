@@ -8,8 +8,9 @@ process; this process is the client. Prints medians over rounds and ratios vs ng
     python -m prefixgate.proxy.bench.overhead --concurrency 1,32 --requests 2000 --rounds 3
 
 `--observe` adds two more gateways: `gateway+log` (the JSON access log to a file) and
-`gateway+trace` (tracing at sample ratio 1.0 to a live OTLP/HTTP receiver in its own process),
-reported against the plain gateway of the same round.
+`gateway+trace` (tracing at sample ratio 1.0 to a live OTLP/HTTP receiver in its own process,
+which acknowledges each export without decoding it: a collector's parsing is its own CPU, on
+another machine in production), reported against the plain gateway of the same round.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
     if observe:
         otlp_port = free_port("127.0.0.1")
         procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.otlp", "--port",
-                            str(otlp_port)]))
+                            str(otlp_port), "--no-decode"]))
         extras["gateway+log"] = f"access_log: {{path: '{tmp / 'access.log'}', format: json}}\n"
         extras["gateway+trace"] = (f"tracing: {{otlp_endpoint: 'http://127.0.0.1:{otlp_port}',"
                                    f" sample_ratio: 1.0}}\n")

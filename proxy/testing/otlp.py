@@ -57,6 +57,8 @@ def decode(payload: bytes) -> list[dict]:
 class OtlpReceiver:
     spans: list[dict] = field(default_factory=list)
     posts: int = 0
+    received_bytes: int = 0
+    decode: bool = True        # False: acknowledge each export without decoding it
     url: str = ""
     _runner: object = None
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -73,10 +75,12 @@ class OtlpReceiver:
 
     async def _traces(self, request: web.Request) -> web.Response:
         body = await request.read()
+        self.received_bytes += len(body)
         if request.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
         try:
-            self.spans.extend(decode(body))
+            if self.decode:
+                self.spans.extend(decode(body))
         except Exception as e:          # a malformed export: say so, as a collector would
             return web.Response(status=400, text=f"bad ExportTraceServiceRequest: {e}")
         self.posts += 1
@@ -96,13 +100,14 @@ class OtlpReceiver:
         return [s for s in self.spans if s["name"] == name]
 
 
-async def _serve(port: int) -> None:
-    receiver = await OtlpReceiver().start(port=port)
+async def _serve(port: int, decode_spans: bool) -> None:
+    receiver = await OtlpReceiver(decode=decode_spans).start(port=port)
     print(f"otlp receiver on {receiver.url}", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
-        print(f"received {len(receiver.spans)} spans in {receiver.posts} exports", flush=True)
+        print(f"received {receiver.posts} exports, {receiver.received_bytes} bytes, "
+              f"{len(receiver.spans)} spans decoded", flush=True)
         await receiver.stop()
 
 
@@ -112,10 +117,13 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m prefixgate.proxy.testing.otlp")
     p.add_argument("--port", type=int, default=4318)
+    p.add_argument("--no-decode", action="store_true",
+                   help="acknowledge exports without decoding them (a collector's parsing is "
+                   "its own CPU, elsewhere in production; benchmarks on one box use this)")
     args = p.parse_args(argv)
     install_uvloop()
     try:
-        asyncio.run(_serve(args.port))
+        asyncio.run(_serve(args.port, not args.no_decode))
     except KeyboardInterrupt:
         pass
     return 0
