@@ -88,19 +88,12 @@ class Observer:
     def attempt_done(self, ctx, attempt: Attempt, up, path: str, resp,
                      failure: str | None) -> None:
         status = resp.status if resp is not None else None
-        attrs = {"http.request.method": ctx.endpoint.method, "url.full": up.url + path,
-                 "server.address": up.pool.host, "server.port": up.pool.port,
-                 "prefixgate.upstream": up.name, "prefixgate.attempt": ctx.attempts}
-        if ctx.model is not None:
-            attrs["gen_ai.request.model"] = ctx.model
-        if status is not None:
-            attrs["http.response.status_code"] = status
         error = failure or (f"HTTP {status}" if status is not None and status >= 500 else None)
-        if error is not None:
-            attrs["error.type"] = str(status) if failure is None else "upstream_failed"
+        facts = (ctx.endpoint.method, up.url + path, up.pool.host, up.pool.port, up.name,
+                 ctx.attempts, ctx.model, status, failure)
         self.spans.record(ctx.trace, f"{ctx.endpoint.method} {ctx.path}", SpanExport.CLIENT,
                           attempt.span_id, ctx.trace.span_id, attempt.start_ns, time.time_ns(),
-                          attrs, error)
+                          (attempt_attributes, facts), error)
 
     def middleware(self):
         @web.middleware
@@ -166,36 +159,62 @@ class Observer:
                       error="the client closed the connection" if failed is not None else None)
         return fields
 
-    def _server_span(self, request: web.Request, ctx, f: dict) -> None:
+    def _server_span(self, request: web.Request, ctx, fields: dict) -> None:
         op = OPERATIONS.get(ctx.path) or ctx.path.rsplit("/", 1)[-1].strip("{}") or "request"
-        status = f["status"]
-        attrs = {"gen_ai.operation.name": op, "http.request.method": request.method,
-                 "url.path": request.path, "http.response.status_code": status,
-                 "prefixgate.request_id": ctx.request_id, "prefixgate.attempts": ctx.attempts,
-                 "prefixgate.stream": ctx.stream}
-        if request.remote:
-            attrs["client.address"] = request.remote
-        max_tokens = ctx.body.get("max_completion_tokens", ctx.body.get("max_tokens"))
-        for key, value in (("gen_ai.request.model", ctx.model),
-                           ("gen_ai.response.model", ctx.response_model),
-                           ("gen_ai.request.max_tokens", max_tokens),
-                           ("gen_ai.usage.input_tokens", f["prompt_tokens"]),
-                           ("gen_ai.usage.output_tokens", f["completion_tokens"]),
-                           ("prefixgate.cached_tokens", f["cached_tokens"]),
-                           ("prefixgate.upstream", f["upstream"]),
-                           ("prefixgate.route", f["route"]), ("prefixgate.key", f["key"])):
-            if isinstance(value, (str, int)) and not isinstance(value, bool):
-                attrs[key] = value
-        for key in breakdown.FIELD_NAMES:
-            if f[key] is not None:
-                attrs[f"prefixgate.{key}"] = f[key]
-        error = None
-        if status >= 500:             # a server span's error: the server failed (semconv)
-            attrs["error.type"] = str(status)
-            error = ctx.error or f"HTTP {status}"
-        name = f"{op} {ctx.model}" if ctx.model else op
-        self.spans.record(ctx.trace, name, SpanExport.SERVER, ctx.trace.span_id,
-                          ctx.trace.parent_id, int(ctx.wall * 1e9), time.time_ns(), attrs, error)
+        status = fields["status"]
+        # a server span's error is the server's failure (semconv): 5xx, not a client's 4xx
+        error = (ctx.error or f"HTTP {status}") if status >= 500 else None
+        facts = (op, ctx.response_model,
+                 ctx.body.get("max_completion_tokens", ctx.body.get("max_tokens")))
+        self.spans.record(ctx.trace, f"{op} {ctx.model}" if ctx.model else op,
+                          SpanExport.SERVER, ctx.trace.span_id, ctx.trace.parent_id,
+                          int(ctx.wall * 1e9), time.time_ns(), (server_attributes, (fields, facts)),
+                          error)
+
+
+# --- span attributes: named in the export process, from the facts the loop recorded -------
+
+def server_attributes(f: dict, facts: tuple) -> dict:
+    """The SERVER span's attributes (GenAI semconv, then prefixgate's own) from the request's
+    access-log fields."""
+    op, response_model, max_tokens = facts
+    attrs = {"gen_ai.operation.name": op, "http.request.method": f["method"],
+             "url.path": f["path"], "http.response.status_code": f["status"],
+             "prefixgate.request_id": f["request_id"], "prefixgate.attempts": f["attempts"],
+             "prefixgate.stream": f["stream"]}
+    for key, value in (("client.address", f["client"]),
+                       ("gen_ai.request.model", f["model"]),
+                       ("gen_ai.response.model", response_model),
+                       ("gen_ai.request.max_tokens", max_tokens),
+                       ("gen_ai.usage.input_tokens", f["prompt_tokens"]),
+                       ("gen_ai.usage.output_tokens", f["completion_tokens"]),
+                       ("prefixgate.cached_tokens", f["cached_tokens"]),
+                       ("prefixgate.upstream", f["upstream"]),
+                       ("prefixgate.route", f["route"]), ("prefixgate.key", f["key"])):
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            attrs[key] = value
+    for key in breakdown.FIELD_NAMES:
+        if f[key] is not None:
+            attrs[f"prefixgate.{key}"] = f[key]
+    if f["status"] >= 500:
+        attrs["error.type"] = str(f["status"])
+    return attrs
+
+
+def attempt_attributes(method, url, host, port, upstream, attempt, model, status,
+                       failure) -> dict:
+    """A CLIENT (attempt) span's attributes (HTTP client semconv)."""
+    attrs = {"http.request.method": method, "url.full": url, "server.address": host,
+             "server.port": port, "prefixgate.upstream": upstream, "prefixgate.attempt": attempt}
+    if model is not None:
+        attrs["gen_ai.request.model"] = model
+    if status is not None:
+        attrs["http.response.status_code"] = status
+    if failure is not None:
+        attrs["error.type"] = "upstream_failed"
+    elif status is not None and status >= 500:
+        attrs["error.type"] = str(status)
+    return attrs
 
 
 def _route(ctx) -> str | None:

@@ -90,8 +90,10 @@ class SpanExport:
         return random_id(64)
 
     def record(self, trace: Trace, name: str, kind: int, span_id: int, parent_id: int | None,
-               start_ns: int, end_ns: int, attributes: dict, error: str | None = None) -> None:
-        """One finished span of a sampled trace."""
+               start_ns: int, end_ns: int, attributes, error: str | None = None) -> None:
+        """One finished span of a sampled trace. `attributes`: a dict, or (function, args)
+        that makes it — a module-level function, called in the export process, so naming
+        attributes costs the event loop nothing."""
         if not trace.sampled:
             return
         self._batch.append((name, kind, trace.trace_id, span_id, parent_id,
@@ -176,6 +178,9 @@ class Encoder:
         return _ld(1, self._resource + scope_spans)     # ExportTraceServiceRequest.resource_spans
 
     def _span(self, name, kind, trace_id, span_id, parent_id, start, end, attrs, error) -> bytes:
+        if isinstance(attrs, tuple):
+            make, args = attrs
+            attrs = make(*args)
         parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
         if parent_id is not None:
             parts += [b"\x22\x08", parent_id.to_bytes(8, "big")]
