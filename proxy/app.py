@@ -443,8 +443,8 @@ class Gateway:
         if "json" not in upstream_resp.content_type or not (
                 ctx.endpoint.prompt or self.observer is not None):
             return None
-        answer = (usage.from_body(body) if ctx.endpoint.prompt or len(body) <= usage.WHOLE_PARSE_BYTES
-                  else usage.from_large_body(body))
+        small = ctx.endpoint.prompt or len(body) <= usage.WHOLE_PARSE_BYTES
+        answer = usage.from_body(body) if small else usage.from_large_body(body)
         if answer is not None:
             ctx.usage, model = answer.get("usage"), answer.get("model")
             ctx.response_model = model if isinstance(model, str) else None

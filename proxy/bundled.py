@@ -18,8 +18,9 @@ def free_port(host: str) -> int:
 class BundledEngines:
     """Child `prefixgate backend` processes, each becoming one upstream of the gateway."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, tracing: dict | None = None):
         self.cfg = cfg                      # the validated `bundled:` mapping
+        self.tracing = tracing              # the gateway's `tracing:`: the engines trace too
         self.procs: list[asyncio.subprocess.Process] = []
         # ports are chosen up front so the gateway (and its plugins) can be built first
         self.ports = [free_port(cfg["host"]) for _ in range(cfg["instances"])]
@@ -33,12 +34,21 @@ class BundledEngines:
     async def start(self) -> None:
         for port in self.ports:
             cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
-                   "--host", self.cfg["host"], "--port", str(port), *map(str, self.cfg["args"])]
+                   "--host", self.cfg["host"], "--port", str(port), *self.engine_args()]
             self.procs.append(await asyncio.create_subprocess_exec(*cmd))
         await asyncio.gather(*(
             wait_ready(url, "/health", self.cfg["startup_timeout_s"], proc,
                        what=f"bundled engine at {url}", interval=0.25)
             for proc, url in zip(self.procs, self.urls)))
+
+    def engine_args(self) -> list[str]:
+        """`bundled.args`, and the gateway's collector for the engines' own spans (their
+        `llm_request` spans join the gateway's traces) unless the args name one."""
+        args = [str(a) for a in self.cfg["args"]]
+        if self.tracing is not None and "--otlp-traces-endpoint" not in args:
+            args += ["--otlp-traces-endpoint", self.tracing["otlp_endpoint"],
+                     "--otlp-service-name", f"{self.tracing['service_name']}-engine"]
+        return args
 
     async def stop(self) -> None:
         for proc in self.procs:

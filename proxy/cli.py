@@ -253,7 +253,7 @@ async def serve(cfg: dict, reload_config=None) -> None:
 
     engines = None
     if cfg["bundled"] is not None:
-        engines = BundledEngines(cfg["bundled"])
+        engines = BundledEngines(cfg["bundled"], cfg["tracing"])
         cfg = with_engines(cfg, engines)
     gateway = Gateway(cfg)          # builds (and so validates) the plugin chain first
     try:

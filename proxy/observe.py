@@ -87,6 +87,8 @@ class Observer:
 
     def attempt_done(self, ctx, attempt: Attempt, up, path: str, resp,
                      failure: str | None) -> None:
+        if not ctx.trace.sampled:
+            return
         status = resp.status if resp is not None else None
         error = failure or (f"HTTP {status}" if status is not None and status >= 500 else None)
         facts = (ctx.endpoint.method, up.url + path, up.pool.host, up.pool.port, up.name,
@@ -111,13 +113,16 @@ class Observer:
     def conclude(self, request: web.Request, resp, started: float, wall: float,
                  failed: BaseException | None = None) -> None:
         ctx = request.get(CTX_KEY)
+        traced = ctx is not None and ctx.trace is not None and ctx.trace.sampled
+        if self.log is None and not traced:
+            return                          # an unsampled request: nothing to write
         if ctx is None:
             fields = self._plain_fields(request, resp, started, wall, failed)
         else:
             fields = self._fields(request, ctx, resp)
         if self.log is not None:
             self.log.write(fields)
-        if ctx is not None and ctx.trace is not None:
+        if traced:
             self._server_span(request, ctx, fields)
 
     # --- what is written -----------------------------------------------------------------

@@ -235,3 +235,19 @@ def test_the_export_encoding_is_what_opentelemetry_proto_decodes():
     assert second["parent_span_id"] == f"{2**63 + 1:016x}" and second["kind"] == "CLIENT"
     assert second["status"] == 2 and second["name"] == "POST /x"
     assert third["attributes"]["d"] == 99.25 and third["attributes"]["neg"] == -3
+
+
+def test_bundled_engines_trace_to_the_gateways_collector():
+    from prefixgate.proxy.bundled import BundledEngines
+
+    cfg = config_mod.validate({"bundled": {"args": ["--max-num-seqs", 8]},
+                               "tracing": {"otlp_endpoint": "http://collector:4318"}})
+    engines = BundledEngines(cfg["bundled"], cfg["tracing"])
+    assert engines.engine_args() == ["--max-num-seqs", "8", "--otlp-traces-endpoint",
+                                     "http://collector:4318", "--otlp-service-name",
+                                     "prefixgate-engine"]
+    own = config_mod.validate({"bundled": {"args": ["--otlp-traces-endpoint", "http://x:1"]},
+                               "tracing": {"otlp_endpoint": "http://collector:4318"}})
+    assert BundledEngines(own["bundled"], own["tracing"]).engine_args() == [
+        "--otlp-traces-endpoint", "http://x:1"]                # the engines' own setting wins
+    assert BundledEngines(cfg["bundled"]).engine_args() == ["--max-num-seqs", "8"]

@@ -104,6 +104,8 @@ def client_vs_server(client_ttft: float | None, server_ttft: float | None,
 # The TTFT breakdown, from the Server-Timing header (prefixgate.proxy.server_timing): the
 # gateway's entries, the engine's, and what neither accounts for. Per segment: its label in the
 # detail, what the verdict calls it, the status when it dominates, and the fix.
+FIX_IN_BETWEEN = ("time between the client and the server: a buffering proxy, the network, or "
+                  "a slow HTTP layer")
 GATEWAY_ENTRIES = ("gw", "gw-queue", "connect", "upstream")
 ENGINE_ENTRIES = ("tokenize", "queue", "prefill", "decode")
 SEGMENTS = {
@@ -128,11 +130,8 @@ SEGMENTS = {
                      "the engine's event loop is slow to send the first token: too many "
                      "streams per process?"),
     "upstream_other": ("upstream other", "upstream time outside the engine", "WARN",
-                       "time between the client and the server: a buffering proxy, the "
-                       "network, or a slow HTTP layer"),
-    "transfer": ("transfer/unaccounted", "transfer/unaccounted time", "WARN",
-                 "time between the client and the server: a buffering proxy, the network, or "
-                 "a slow HTTP layer"),
+                       FIX_IN_BETWEEN),
+    "transfer": ("transfer/unaccounted", "transfer/unaccounted time", "WARN", FIX_IN_BETWEEN),
 }
 _ENTRY_SEGMENT = {"gw": "gateway", "gw-queue": "gateway_queue", "connect": "connect",
                   "tokenize": "engine_tokenize", "queue": "engine_queue", "prefill": "prefill",
