@@ -50,6 +50,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False                  # no CUDA graphs
     served_model_name: str | None = None
+    role: str = "both"                           # prefill | decode | both (KV hand-over, backend/kv_transfer.py)
+    kv_transfer_host: str | None = None          # None: the server's --host
+    kv_transfer_port: int = 0                    # 0: a free port
+    kv_transfer_timeout: float = 30.0            # seconds held blocks wait for their pull
 
 
 @dataclass
@@ -77,6 +81,7 @@ class _Request:
     text: str = ""
     sent: int = 0                     # characters of `text` already emitted
     token_ids: list[int] = field(default_factory=list)
+    fill: object = None               # for a sequence arriving with its KV: writes it, on the engine thread
 
 
 class LLMEngine:
@@ -108,6 +113,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()
+        self._releases: deque[str] = deque()       # transfer ids whose held KV blocks to free
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_dir, self.device, num_blocks, args.block_size, self.max_model_len)
 
@@ -147,22 +153,34 @@ class LLMEngine:
     # --- called from the event loop thread --------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; its arrival is now unless given (a time.monotonic() stamp)."""
+                    arrival_time: float | None = None, kv_hold: str | None = None) -> None:
+        """Queue a request; its arrival is now unless given (a time.monotonic() stamp). With
+        `kv_hold` (a transfer id) its blocks are held when it ends, for a decode engine's pull."""
         seq = Sequence(prompt_ids, params, request_id, arrival_time)
+        seq.kv_hold = kv_hold
         self._adds.append(_Request(seq, self._decoder_cls(self.tokenizer)))
+
+    def add_prefilled(self, seq: Sequence, fill) -> None:
+        """Queue a sequence whose blocks are allocated and whose prompt KV `fill()` writes
+        (between steps, on the engine thread); it is then scheduled as a decode."""
+        self._adds.append(_Request(seq, self._decoder_cls(self.tokenizer), fill=fill))
 
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
 
+    def release_kv(self, transfer_id: str) -> None:
+        """Free the blocks held for a KV transfer (pulled, or timed out)."""
+        self._releases.append(transfer_id)
+
     def has_work(self) -> bool:
-        return bool(self._adds or self._aborts or self.scheduler.has_unfinished())
+        return bool(self._adds or self._aborts or self._releases or self.scheduler.has_unfinished())
 
     def stats(self) -> dict:
         s, bm = self.scheduler, self.block_manager
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
                 "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
-                "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions}
+                "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
+                "kv_held_blocks": s.num_held_blocks}
 
     # --- called from the worker thread -------------------------------------------------------
 
@@ -178,11 +196,18 @@ class LLMEngine:
         while self._adds:
             req = self._adds.popleft()
             self.requests[req.seq.request_id] = req
-            self.scheduler.add(req.seq)
+            if req.fill is None:
+                self.scheduler.add(req.seq)
+            else:
+                req.fill()
+                req.fill = None
+                self.scheduler.add_prefilled(req.seq)
         while self._aborts:
             req = self.requests.pop(self._aborts.popleft(), None)
             if req is not None:
                 self.scheduler.finish(req.seq, "abort")
+        while self._releases:
+            self.scheduler.release(self._releases.popleft())
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -283,17 +308,45 @@ class AsyncEngine:
         self._task = None
         self._executor.shutdown(wait=True)
 
+    def new_request_id(self) -> str:
+        self._ids += 1
+        return f"req-{self._ids}-{time.monotonic_ns()}"
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 arrival_time: float | None = None) -> RequestStream:
-        if request_id is None:
-            self._ids += 1
-            request_id = f"req-{self._ids}-{time.monotonic_ns()}"
+                 arrival_time: float | None = None, kv_hold: str | None = None) -> RequestStream:
+        request_id = request_id or self.new_request_id()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self.engine.add_request(request_id, prompt_ids, params, arrival_time)
+        self.engine.add_request(request_id, prompt_ids, params, arrival_time, kv_hold)
+        self._notify()
+        return stream
+
+    def generate_prefilled(self, seq: Sequence, fill) -> RequestStream:
+        """Stream a sequence that arrives with its prompt's KV (see LLMEngine.add_prefilled)."""
+        stream = RequestStream(self, seq.request_id)
+        self._streams[seq.request_id] = stream
+        self.engine.add_prefilled(seq, fill)
+        self._notify()
+        return stream
+
+    def release_kv(self, transfer_id: str) -> None:
+        self.engine.release_kv(transfer_id)
+        self._notify()
+
+    async def call(self, fn, *args):
+        """Run `fn(*args)` on the engine thread between two steps (block manager work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def call_soon(self, fn, *args) -> None:
+        """`call` without waiting: for clean-up that must run even if the caller is cancelled."""
+        try:
+            self._executor.submit(fn, *args)
+        except RuntimeError:        # shut down: the engine and its blocks are gone anyway
+            pass
+
+    def _notify(self) -> None:
         self._wake.set()
         self.start()
-        return stream
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

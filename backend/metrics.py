@@ -18,8 +18,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, kv=None):
         self.engine = engine
+        self.kv = kv                    # a kv_transfer.KVTransferStats, or None
 
     def collect(self):
         s = self.engine.stats()
@@ -33,6 +34,22 @@ class _EngineCollector:
                        s["prefix_hits"])
         yield _counter("prefixgate:num_preemptions", "Sequences preempted (recomputed later).",
                        s["preemptions"])
+        yield _gauge("prefixgate:kv_transfer_held_blocks",
+                     "KV blocks held for a decode engine's pull (prefill side).", s["kv_held_blocks"])
+        kv = self.kv
+        if kv is None:
+            return
+        for name, doc, value in (
+                ("kv_transfers_served", "Prompt KV pulls this engine answered in full (prefill side).", kv.served),
+                ("kv_transfers_pulled", "Prompt KV pulls this engine made (decode side).", kv.pulled),
+                ("kv_transfer_failures", "KV pulls that failed (either side).", kv.failed),
+                ("kv_transfer_expired_holds", "Held prompt KV freed by --kv-transfer-timeout, never pulled.",
+                 kv.expired),
+                ("kv_transfer_sent_bytes", "KV bytes sent to decode engines.", kv.bytes_sent),
+                ("kv_transfer_received_bytes", "KV bytes pulled from prefill engines.", kv.bytes_received),
+                ("kv_transfer_send_seconds", "Seconds spent answering pulls (request to 'done').", kv.seconds_sent),
+                ("kv_transfer_pull_seconds", "Seconds spent pulling (connect to last byte).", kv.seconds_pulled)):
+            yield _counter("prefixgate:" + name, doc, value)
 
 
 def _gauge(name, doc, value):
@@ -48,9 +65,9 @@ def _counter(name, doc, value):
 
 
 class EngineMetrics:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, kv_stats=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, kv_stats))
         self.ttft = Histogram("prefixgate:time_to_first_token_seconds",
                               "Engine arrival (add_request) to first token sampled.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)

@@ -12,6 +12,12 @@ Each step is built under a token budget (`max_num_batched_tokens`):
    sharing every step and all finishing late. Without chunked prefill, prompts are taken
    whole in arrival order (one that exceeds the budget runs as the only prefill of its step).
 
+Prefill/decode disaggregation (backend/kv_transfer.py): a sequence that asks for its KV to
+be handed over (`kv_hold`, a transfer id) keeps its blocks when it ends: they stay in `held`
+until `release`. A sequence that arrives with its prompt's KV already written
+(`add_prefilled`) joins the running batch with all but its last prompt token computed, so
+its first step is that one token, scheduled as a decode, which samples its first output.
+
 Where every token costs the same compute (a CPU: no idle units to fill), packing more
 prefill into a step that already finishes one prompt only delays that prompt's first token.
 With `step_overhead_tokens` set (a step's fixed cost in tokens of compute: ~30 for the demo
@@ -106,9 +112,26 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.held: dict[str, Sequence] = {}     # transfer id -> a finished sequence holding its KV
+        self.num_held_blocks = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose blocks (allocated) already hold its prompt's KV: only the last prompt
+        token is left to compute, as vLLM does after a remote prefill (that step gives the logits)."""
+        seq.num_computed_tokens = len(seq) - 1
+        self.bm.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def release(self, transfer_id: str) -> None:
+        """Free the blocks a finished sequence held for a KV transfer (no-op if none)."""
+        seq = self.held.pop(transfer_id, None)
+        if seq is not None:
+            self.num_held_blocks -= len(seq.block_table)
+            self.bm.free(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -267,7 +290,7 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (done, stop string, or aborted) and free its blocks."""
+        """End a sequence (done, stop string, or aborted) and free its blocks (or hold them)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -276,7 +299,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.bm.free(seq)
+        if seq.kv_hold is not None and reason != "abort":
+            self.held[seq.kv_hold] = seq        # its blocks stay referenced until release()
+            self.num_held_blocks += len(seq.block_table)
+        else:
+            self.bm.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -12,6 +12,10 @@ a request naming another model gets vLLM's 404 (a request without `model` is ser
 Extensions, as vLLM names them: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, and
 `return_token_ids` (adds `prompt_token_ids` and per-choice `token_ids` to the response).
 
+Prefill/decode disaggregation (`--role prefill|decode|both`): `kv_transfer_params` in vLLM's
+KV-connector form hands a prompt's KV from a prefill engine to a decode engine (see
+backend/kv_transfer.py).
+
 Every answer carries a `Server-Timing` header (tokenize, queue, prefill, decode: see
 backend/timing.py); with `--otlp-traces-endpoint` each request is also an `llm_request` span.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from prefixgate.backend import kv_transfer
 from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
 from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
@@ -43,6 +48,7 @@ from prefixgate.proxy.server import json_errors_middleware, parse_json_object, r
 log = logging.getLogger("prefixgate.engine")
 
 DEFAULT_MAX_TOKENS = 256
+KV_HEADER = "x-prefixgate-kv"     # "pulled" on an answer whose prompt KV came from a prefill engine
 LONG_TEXT_CHARS = 4096            # tokenize longer texts off the event loop
 
 
@@ -112,8 +118,10 @@ class EngineServer:
     """The HTTP handlers over one engine."""
 
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 served_model_names: list[str] | None = None, tracer: tracing.Tracing | None = None):
+                 served_model_names: list[str] | None = None, tracer: tracing.Tracing | None = None,
+                 kv: kv_transfer.KVTransfer | None = None):
         self.engine = engine
+        self.kv = kv
         self.tracer = tracer
         self.core = engine.engine
         self.engine_metrics = metrics
@@ -277,27 +285,62 @@ class EngineServer:
         fmt = _Format(chat, self.model_name, bool(_field(body, "return_token_ids", bool, False)),
                       ids, bool(opts.get("include_usage")))
         timing.describe(request.headers.get("X-Request-Id") or fmt.id, self.model_name, params)
-        out_stream = self.engine.generate(ids, params)      # the engine's arrival: now
+        kv = self._kv_request(body, stream)
+        hold, headers = None, {}
+        if isinstance(kv, kv_transfer.RemotePrefill):       # leg 2: the prompt's KV is elsewhere
+            out_stream, timing.kv_pull = await self.kv.pull(kv, ids, params)
+            headers[KV_HEADER] = "pulled"
+        else:
+            if kv is not None:
+                await self.kv.listen()          # a `both` engine's first leg 1 opens its KV port
+            hold = self.kv.new_transfer_id() if kv is not None else None    # leg 1: keep the KV
+            out_stream = self.engine.generate(ids, params, kv_hold=hold)   # the engine's arrival: now
         try:
             if stream:
-                return await self._stream(request, out_stream, fmt, timing)
-            return await self._whole(out_stream, fmt, timing)
+                return await self._stream(request, out_stream, fmt, timing, headers)
+            return await self._whole(out_stream, fmt, timing, headers, hold)
         finally:
             out_stream.close()          # aborts the sequence unless it finished
+            if hold is not None:
+                self.kv.settle(hold)
             if not out_stream.completed:
                 self.engine_metrics.forget(out_stream.request_id)
 
-    async def _whole(self, outputs, fmt: "_Format", timing: RequestTiming) -> web.Response:
+    def _kv_request(self, body: dict, stream: bool):
+        """The request's `kv_transfer_params`, checked against this engine's role (None: plain)."""
+        kv = kv_transfer.parse_params(body)
+        role = self.kv.role if self.kv is not None else "both"
+        if isinstance(kv, kv_transfer.RemoteDecode):
+            if self.kv is None or not self.kv.serves:
+                raise HTTPError(400, f"this engine's role is {role}: it does not prefill for a remote decode "
+                                "('kv_transfer_params.do_remote_decode'); send leg 1 to a prefill engine",
+                                code="kv_role")
+            if stream:
+                raise HTTPError(400, "'stream' must be false with 'kv_transfer_params.do_remote_decode' "
+                                "(the answer carries the transfer handle)", code="invalid_value")
+        elif isinstance(kv, kv_transfer.RemotePrefill) and (self.kv is None or not self.kv.pulls):
+            raise HTTPError(400, f"this engine's role is {role}: it does not decode a remote prefill "
+                            "('kv_transfer_params.do_remote_prefill'); send leg 2 to a decode engine",
+                            code="kv_role")
+        return kv
+
+    async def _whole(self, outputs, fmt: "_Format", timing: RequestTiming, headers: dict,
+                     hold: str | None = None) -> web.Response:
         text, token_ids, last = [], [], None
         async for out in outputs:
             timing.output(out)
             text.append(out.text)
             token_ids.extend(out.token_ids)
             last = out
-        data = json.dumps(fmt.whole("".join(text), token_ids, last))
-        return web.json_response(text=data, headers={server_timing.HEADER: timing.header()})
+        obj = fmt.whole("".join(text), token_ids, last)
+        if hold is not None:
+            obj["kv_transfer_params"] = self.kv.hand_over(hold)
+            if obj["kv_transfer_params"] is None:
+                raise HTTPError(500, "the engine holds no KV for this request", code="engine_error")
+        return web.json_response(text=json.dumps(obj), headers={server_timing.HEADER: timing.header(), **headers})
 
-    async def _stream(self, request, outputs, fmt: "_Format", timing: RequestTiming) -> web.StreamResponse:
+    async def _stream(self, request, outputs, fmt: "_Format", timing: RequestTiming,
+                      headers: dict) -> web.StreamResponse:
         resp = None
         try:
             async for out in outputs:
@@ -308,7 +351,7 @@ class EngineServer:
                         event = fmt.sse(fmt.chunk(role=True)) + event
                     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache",
-                                                       server_timing.HEADER: timing.header()})
+                                                       server_timing.HEADER: timing.header(), **headers})
                     await resp.prepare(request)
                 await resp.write(event)
                 if out.finished and fmt.include_usage:
@@ -463,6 +506,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. http://localhost:4318 (needs the `otel` extra)")
     p.add_argument("--otlp-service-name", default=None,
                    help="the spans' service.name (default: $OTEL_SERVICE_NAME or prefixgate-engine)")
+    p.add_argument("--role", default=a.role, choices=kv_transfer.ROLES,
+                   help="prefill: answer leg 1 of a P/D pair and hold the prompt's KV for a decode engine; "
+                   "decode: pull it and decode (kv_transfer_params, as vLLM's KV connectors); both (default)")
+    p.add_argument("--kv-transfer-host", default=None,
+                   help="where the KV transfer server listens (prefill, both; default: --host)")
+    p.add_argument("--kv-transfer-port", type=int, default=a.kv_transfer_port,
+                   help="its port (default 0: a free one; answers carry the real one)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=a.kv_transfer_timeout,
+                   help="seconds a prefill engine holds a prompt's KV for its pull, and a pull may take "
+                   "(default %(default)s)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -489,7 +542,9 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         step_overhead_tokens=ns.step_overhead_tokens,
         enable_chunked_prefill=not ns.no_chunked_prefill, enable_prefix_caching=not ns.no_prefix_caching,
         attention_backend=ns.attention_backend, enforce_eager=ns.enforce_eager,
-        served_model_name=ns.served_model_name[0] if ns.served_model_name else None)
+        served_model_name=ns.served_model_name[0] if ns.served_model_name else None,
+        role=ns.role, kv_transfer_host=ns.kv_transfer_host, kv_transfer_port=ns.kv_transfer_port,
+        kv_transfer_timeout=ns.kv_transfer_timeout)
 
 
 @dataclass
@@ -499,9 +554,12 @@ class RunningServer:
     engine: AsyncEngine
     metrics: EngineMetrics
     tracer: tracing.Tracing | None = None
+    kv: kv_transfer.KVTransfer | None = None
 
     async def close(self) -> None:
         await self.runner.cleanup()
+        if self.kv is not None:
+            await self.kv.close()
         await self.engine.stop()
         if self.tracer is not None:         # flushes queued spans (bounded), off the loop
             await asyncio.to_thread(self.tracer.close)
@@ -516,14 +574,20 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
     trace_cfg = tracing_config(ns)          # before the engine: a bad flag fails at once
     core = engine or await asyncio.to_thread(LLMEngine, engine_args(ns))
     async_engine = AsyncEngine(core)
-    metrics = EngineMetrics(core)
+    kv = kv_transfer.KVTransfer(async_engine, host or ns.host)
+    metrics = EngineMetrics(core, kv.stats)
     async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
-    server = EngineServer(async_engine, metrics, ns.default_max_tokens, ns.served_model_name)
+    server = EngineServer(async_engine, metrics, ns.default_max_tokens, ns.served_model_name, kv=kv)
+    await kv.start()
     # start_app cancels the handler of a client that hangs up, which aborts its sequence
-    runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
+    try:
+        runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
+    except BaseException:
+        await kv.close()
+        raise
     tracer = server.tracer = tracing.Tracing(trace_cfg) if trace_cfg else None
     async_engine.start()
-    return RunningServer(runner, url, async_engine, metrics, tracer)
+    return RunningServer(runner, url, async_engine, metrics, tracer, kv)
 
 
 async def _serve_forever(argv: list[str]) -> None:

@@ -6,14 +6,16 @@ arrival (add_request, after tokenization, as vLLM's), first scheduled, first tok
 last token sampled. The header's entries, in ms:
 
   tokenize  HTTP arrival -> handed to the engine (body, JSON, chat template, tokenization)
-  queue     engine arrival -> first scheduled        (prefixgate:request_queue_time_seconds)
+  kv_pull   (a decode engine's leg 2 only) pulling the prompt's KV from the prefill engine
+  queue     engine arrival -> first scheduled        (prefixgate:request_queue_time_seconds,
+            which includes kv_pull: the sequence arrives before its pull)
   prefill   first scheduled -> first token sampled   (prefixgate:request_prefill_time_seconds),
             desc="computed=N cached=M": prompt tokens computed / served from the prefix cache
   decode    first token sampled -> the server writing it (detokenize, the engine thread ->
             event loop hand-off, SSE framing); a whole answer writes its first token with
             its last, so there it spans the decode steps too
 
-queue + prefill is prefixgate:time_to_first_token_seconds; the four add up to the server's
+queue + prefill is prefixgate:time_to_first_token_seconds; the entries add up to the server's
 share of the client's time to first token. With tracing, one SERVER span `llm_request`
 (vLLM's name and `gen_ai.*` attributes) runs from the HTTP arrival to the request's end.
 """
@@ -35,6 +37,7 @@ class RequestTiming:
         self.arrival = time.monotonic()           # HTTP arrival
         self.first: RequestOutput | None = None   # the first output (carries the first token)
         self.last: RequestOutput | None = None
+        self.kv_pull: float | None = None         # seconds, on a decode engine's leg 2
         self.span = None
         if tracer is not None:          # a proxy.tracing.Tracing
             self._wall0 = wall_ns(self.arrival)
@@ -51,9 +54,11 @@ class RequestTiming:
         """The Server-Timing value, the first token being written now."""
         out, now = self.first, time.monotonic()
         cached = out.cached_tokens
+        pull = self.kv_pull or 0.0
         return server_timing.join(
             server_timing.entry("tokenize", (out.arrival_time - self.arrival) * 1e3),
-            server_timing.entry("queue", (out.first_scheduled_time - out.arrival_time) * 1e3),
+            *([server_timing.entry("kv_pull", pull * 1e3)] if self.kv_pull is not None else []),
+            server_timing.entry("queue", (out.first_scheduled_time - out.arrival_time - pull) * 1e3),
             server_timing.entry("prefill", (out.first_token_time - out.first_scheduled_time) * 1e3,
                                 f"computed={out.prompt_tokens - cached} cached={cached}"),
             server_timing.entry("decode", (now - out.first_token_time) * 1e3))

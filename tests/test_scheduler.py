@@ -249,3 +249,34 @@ def test_a_twin_waits_for_the_prefix_being_computed_instead_of_computing_it_agai
         run(s)
         assert b.num_cached_tokens == 40 and s.bm.prefix_hits == 40     # computed once
         assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+
+
+def test_kv_hold_keeps_blocks_until_released_and_abort_frees_at_once():
+    s = make()
+    q = seq(10, max_tokens=1)
+    q.kv_hold = "t1"
+    s.add(q)
+    run(s)
+    assert q.is_finished and s.held == {"t1": q} and s.num_held_blocks == 3
+    assert s.bm.num_free_blocks == 64 - 3
+    s.release("t1")
+    s.release("t1")                                  # once only
+    assert s.held == {} and s.num_held_blocks == 0 and s.bm.num_free_blocks == 64
+    aborted = seq(10, max_tokens=5)
+    aborted.kv_hold = "t2"
+    s.add(aborted)
+    step(s)
+    s.finish(aborted, "abort")
+    assert s.held == {} and s.bm.num_free_blocks == 64
+
+
+def test_prefilled_sequence_runs_its_last_prompt_token_as_a_decode():
+    s = make()
+    q = seq(9, max_tokens=3)
+    assert s.bm.allocate(q, len(q), s.bm.match_prefix(q))    # as kv_transfer reserves it
+    s.add_prefilled(q)
+    assert q.num_computed_tokens == 8 and q.num_hashed_blocks == 2     # full blocks entered in the cache
+    first = step(s)
+    assert first.is_decode and first.num_new_tokens == [1] and first.samples(0)
+    run(s)
+    assert q.output_token_ids == expected_output(q) and s.bm.usage() == 0.0

@@ -1,0 +1,144 @@
+"""Engine-to-engine KV transfer vs recomputing the prompt: `python -m prefixgate.backend.bench_kv_transfer`.
+
+Two engine processes on loopback (the demo model on CPU unless told otherwise): a prefill engine
+and a decode engine. Each repeat takes a fresh random prompt (no prefix-cache hits anywhere):
+  recompute  the decode engine computes the prompt itself: its Server-Timing `prefill` (ms)
+  pull       leg 1 on the prefill engine, then leg 2 on the decode engine: its `kv_pull` (ms; the
+             KV bytes over that time give MB/s), and leg 2's `queue + prefill` (the pull plus the
+             one-token step that samples the first token: what replaces the recompute)
+Prints medians and the ratio recompute / leg 2; `--out FILE` saves them with the config as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import time
+
+import aiohttp
+
+from prefixgate.proxy import server_timing
+from prefixgate.proxy.server import wait_ready
+
+LEG1 = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _engine(role: str, args) -> tuple[asyncio.subprocess.Process, str]:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.backend.server", "--model", args.model, "--role", role,
+        "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning")
+    url = f"http://127.0.0.1:{port}"
+    await wait_ready(url, "/health", 180, proc)
+    return proc, url
+
+
+async def _post(s, url: str, body: dict) -> tuple[dict, dict]:
+    async with s.post(url + "/v1/completions", json=body) as r:
+        data = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data}")
+        return data, server_timing.parse(r.headers.get(server_timing.HEADER))
+
+
+async def _received_bytes(s, url: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith("prefixgate:kv_transfer_received_bytes_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _vocab_size(model: str) -> int:
+    from prefixgate.backend.engine import _resolve_model_dir
+
+    return json.loads((_resolve_model_dir(model) / "config.json").read_text())["vocab_size"]
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    vocab = _vocab_size(args.model)
+    prefill, p_url = await _engine("prefill", args)
+    decode, d_url = await _engine("decode", args)
+    samples = {"recompute_ms": [], "pull_ms": [], "leg2_ttft_ms": [], "leg1_prefill_ms": [], "mb_per_s": []}
+    nbytes = 0.0
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(args.repeats + 1):           # the first round warms both engines up
+                def prompt():
+                    return [rng.randrange(16, vocab) for _ in range(args.prompt_tokens)]
+                base = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
+                _, t = await _post(s, d_url, {**base, "prompt": prompt()})
+                recompute = t["prefill"]
+                p = prompt()
+                leg1, t1 = await _post(s, p_url, {**base, "prompt": p, "kv_transfer_params": LEG1})
+                before = await _received_bytes(s, d_url)
+                _, t2 = await _post(s, d_url, {**base, "prompt": p, "kv_transfer_params": leg1["kv_transfer_params"]})
+                nbytes = await _received_bytes(s, d_url) - before
+                if i == 0:
+                    continue
+                samples["recompute_ms"].append(recompute)
+                samples["leg1_prefill_ms"].append(t1["prefill"])
+                samples["pull_ms"].append(t2["kv_pull"])
+                samples["leg2_ttft_ms"].append(t2["kv_pull"] + t2["queue"] + t2["prefill"])
+                samples["mb_per_s"].append(nbytes / 1e6 / (t2["kv_pull"] / 1e3))
+                await asyncio.sleep(0.05)
+    finally:
+        for proc in (prefill, decode):
+            proc.terminate()
+            await proc.wait()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"config": vars(args), "kv_bytes": nbytes, "median": med, "samples": samples,
+            "recompute_over_leg2": med["recompute_ms"] / med["leg2_ttft_ms"]}
+
+
+def report(r: dict) -> None:
+    c, m = r["config"], r["median"]
+    print(f"KV transfer on loopback: {c['model']} model, {c['prompt_tokens']}-token prompt, "
+          f"{c['kv_cache_dtype']} KV = {r['kv_bytes'] / 1e6:.1f} MB, median of {c['repeats']}")
+    rows = [("recompute the prompt (decode engine's prefill)", m["recompute_ms"], ""),
+            ("pull its KV from the prefill engine (kv_pull)", m["pull_ms"], f"{m['mb_per_s']:.0f} MB/s"),
+            ("leg 2 to first token (pull + 1-token step)", m["leg2_ttft_ms"], ""),
+            ("(leg 1: the prefill engine's prefill)", m["leg1_prefill_ms"], "")]
+    for name, ms, extra in rows:
+        print(f"  {name:<50} {ms:8.1f} ms  {extra}")
+    print(f"  recompute / leg 2: {r['recompute_over_leg2']:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench_kv_transfer",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="the engines' step budget (default: a whole 2k prompt in one step)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="save results as JSON here")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    result = asyncio.run(run(args))
+    report(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {args.out} ({time.monotonic() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
