@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from prefixgate.proxy import breakdown
+from prefixgate.proxy import breakdown, pd
 from prefixgate.proxy.spec import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
@@ -53,6 +53,18 @@ class Metrics(Plugin):
         self._stage_children = [(s, self.stages.labels(s)) for s in breakdown.STAGES]
         self.goodput = Counter("prefixgate_goodput", "Successful requests meeting the TTFT "
                                "(and TPOT) SLO", registry=reg)
+        # prefill/decode disaggregation (proxy/pd.py)
+        self.pd_prefill = Histogram("prefixgate_pd_prefill_seconds", "P/D: a request's prefill "
+                                    "legs, written -> answered (summed over its tries), by the "
+                                    "prefill upstream that served it", ["upstream"],
+                                    buckets=LATENCY_BUCKETS, registry=reg)
+        self.pd_decode_ttft = Histogram("prefixgate_pd_decode_ttft_seconds", "P/D: the decode "
+                                        "leg, written -> first byte", ["upstream"],
+                                        buckets=LATENCY_BUCKETS, registry=reg)
+        self.pd_requests = Counter("prefixgate_pd_requests", "P/D requests by outcome: pd "
+                                   "(answered by a prefill/decode pair), fallback (prefill legs "
+                                   "failed: computed plain on a decode upstream), failed (a 5xx)",
+                                   ["protocol", "outcome"], registry=reg)
         reg.register(_InflightCollector(gw))
         gw.on_connect.append(self._observe_connect)
 
@@ -66,6 +78,8 @@ class Metrics(Plugin):
         queued = ctx.since("plugins_done", "admitted")
         if queued is not None:
             self.queue.observe(queued)
+        if ctx.pd is not None:
+            self._observe_pd(ctx)
         ttft = ctx.since("received", "first_byte")
         if ttft is None or ctx.upstream is None:
             return
@@ -81,6 +95,20 @@ class Metrics(Plugin):
         if error is None and ctx.status == 200 and ttft <= self.slo_ttft and (
                 self.slo_tpot is None or tpot is None or tpot <= self.slo_tpot):
             self.goodput.inc()
+
+    def _observe_pd(self, ctx) -> None:
+        if ctx.pd != pd.FALLBACK and ctx.prefill_upstream is None:
+            return                  # refused before its legs (429, 503 ...): not P/D's doing
+        if ctx.pd == pd.FALLBACK:
+            protocol, outcome = (self.gw.config.get("pd") or {}).get("protocol", ""), "fallback"
+        else:
+            protocol, outcome = ctx.pd, "failed" if (ctx.status or 500) >= 500 else "pd"
+        self.pd_requests.labels(protocol, outcome).inc()
+        if ctx.prefill_upstream is not None:
+            self.pd_prefill.labels(ctx.prefill_upstream.name).observe(ctx.prefill_s)
+        decode_ttft = ctx.since("upstream_sent", "first_byte")
+        if outcome != "fallback" and decode_ttft is not None and ctx.upstream is not None:
+            self.pd_decode_ttft.labels(ctx.upstream.name).observe(decode_ttft)
 
 
 class _InflightCollector:

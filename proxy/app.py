@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
 from collections import deque
 from urllib.parse import quote
@@ -16,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_L
 
 from prefixgate.proxy import breakdown, guard
 from prefixgate.proxy import h1pool
-from prefixgate.proxy import reload, route
+from prefixgate.proxy import pd, reload, route
 from prefixgate.proxy import server_timing
 from prefixgate.proxy import token_forward
 from prefixgate.proxy import usage
@@ -29,7 +27,7 @@ from prefixgate.proxy import multipart
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
 from prefixgate.proxy.observe import Observer
-from prefixgate.proxy.server import json_errors_middleware, parse_json_object
+from prefixgate.proxy.server import encode_body, json_errors_middleware, parse_json_object
 from prefixgate.proxy.upstream import Upstream
 
 log = logging.getLogger("prefixgate")
@@ -188,8 +186,11 @@ class Gateway:
 
     # --- routing ---------------------------------------------------------------------------
     def decide(self, ctx: RequestContext, tried: list[Upstream] = ()) -> Upstream:
-        """One routing decision for this attempt, on the chain the request is pinned to."""
-        return route.decide(self.upstreams, ctx.chain or self.chain, ctx, tried)
+        """One routing decision for this attempt, on the chain the request is pinned to
+        (a P/D request's decode upstream: by load alone, proxy/pd.py)."""
+        scorers = pd.DECODE_SCORERS if pd.active(ctx) else None
+        return route.decide(self.upstreams, ctx.chain or self.chain, ctx, tried,
+                            scorers=scorers)
 
     # --- handlers --------------------------------------------------------------------------
     def _handler(self, endpoint: Endpoint):
@@ -222,6 +223,7 @@ class Gateway:
                 for hook in chain.on_request:
                     await hook(ctx)
             ctx.stamp("plugins_done")
+            ctx.pd = pd.protocol_for(self, ctx)
             ctx.upstream = self.decide(ctx)
             ctx.stamp("routed")
             for hook in chain.admit:
@@ -336,6 +338,8 @@ class Gateway:
         while True:
             ctx.attempts += 1
             try:
+                if pd.active(ctx):
+                    return await pd.exchange(self, request, ctx, data)   # a prefill leg first
                 return await self._exchange(request, ctx, ctx.upstream, data)
             except UpstreamFailed as e:
                 tried.append(ctx.upstream)
@@ -350,7 +354,7 @@ class Gateway:
 
     def _can_retry(self, ctx: RequestContext, up: Upstream) -> bool:
         return ctx.attempts <= self.retries and ctx.endpoint.replayable and any(
-            u.healthy and u is not up for u in self.upstreams)
+            u.healthy and u is not up and u.role != "prefill" for u in self.upstreams)
 
     async def _exchange(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
         path, as_tokens = ctx.target, self._as_tokens(ctx, up)
@@ -384,7 +388,7 @@ class Gateway:
                     self.health.bad_answer(up, failure)
                 raise UpstreamFailed(failure) from None
             finally:
-                account_attempt(ctx, started, upstream_resp, connect_failed)
+                breakdown.account_attempt(ctx, started, upstream_resp, connect_failed)
             ctx.upstream_timing = _header(upstream_resp, b"server-timing")
             if upstream_resp.status >= 500:
                 self.health.bad_answer(up, f"HTTP {upstream_resp.status}")
@@ -409,6 +413,7 @@ class Gateway:
     def _as_tokens(ctx: RequestContext, up: Upstream) -> bool:
         """Send this chat as token ids? (`forward: tokens` and prerender's tokens at hand)"""
         return (up.cfg.get("forward") == "tokens" and ctx.tokens is not None
+                and not pd.active(ctx)                     # P/D legs go as the client sent
                 and ctx.path == "/v1/chat/completions" and token_forward.eligible(ctx.body))
 
     async def _relay_whole(self, request, ctx, up, upstream_resp, first,
@@ -466,9 +471,9 @@ class Gateway:
         seek_id = b"" if ctx.endpoint.responses else None   # the stream's head, until its id
         tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if self.observer is not None else None
         try:
+            ctx.stamp("first_byte")          # from here on the answer is the client's (pd.py)
             await resp.prepare(request)      # headers are held back and sent with the first chunk
             chunk = first
-            ctx.stamp("first_byte")
             for hook in chain.on_first_byte:
                 hook(ctx)
             while chunk:
@@ -594,13 +599,6 @@ class Gateway:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def encode_body(body: dict) -> bytes:
-    try:
-        return json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:     # a lone surrogate (\\ud800) from the client: keep it escaped
-        return json.dumps(body).encode()
-
-
 def broken_success(resp: h1pool.Response, answer: dict | None) -> str | None:
     """Why a 2xx completion answer cannot come from an OpenAI-compatible server, if it can't
     (`answer`: its body parsed as a JSON object, or None)."""
@@ -611,21 +609,6 @@ def broken_success(resp: h1pool.Response, answer: dict | None) -> str | None:
     if answer is None:
         return "sent invalid JSON (not a JSON object)"
     return None
-
-
-def account_attempt(ctx: RequestContext, started: float, resp: h1pool.Response | None,
-                    connect_failed: bool) -> None:
-    """An attempt's time, split at its request's writing into connect and upstream time
-    (an attempt that failed without an answer: all connect when no connection opened, else
-    all upstream — the request was most likely written)."""
-    now = time.monotonic()
-    if resp is not None:
-        ctx.connect_s += resp.sent_at - started
-        ctx.upstream_s += now - resp.sent_at
-    elif connect_failed:
-        ctx.connect_s += now - started
-    else:
-        ctx.upstream_s += now - started
 
 
 def _header(resp: h1pool.Response, name: bytes) -> str | None:

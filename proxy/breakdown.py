@@ -69,5 +69,19 @@ def fields(ctx) -> dict[str, float | None]:
     return out
 
 
+def account_attempt(ctx, started: float, resp, connect_failed: bool) -> None:
+    """An attempt's time (`resp`: its h1pool.Response, None without one), split at its request's writing into connect and upstream time
+    (an attempt that failed without an answer: all connect when no connection opened, else
+    all upstream — the request was most likely written)."""
+    now = time.monotonic()
+    if resp is not None:
+        ctx.connect_s += resp.sent_at - started
+        ctx.upstream_s += now - resp.sent_at
+    elif connect_failed:
+        ctx.connect_s += now - started
+    else:
+        ctx.upstream_s += now - started
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from prefixgate.proxy import access_log, auth, discovery, health, tracing
+from prefixgate.proxy import access_log, auth, discovery, health, pd, tracing
 from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, positive
 from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
 
@@ -66,6 +66,9 @@ TOP = {
     "shutdown_timeout_s": Key((int, float), 30.0, positive),   # SIGTERM: in-flight deadline
     "access_log": Key(dict, None),     # {path: FILE | "-", format: json | text} (access_log.py)
     "tracing": Key(dict, None),        # {otlp_endpoint: URL, ...} (tracing.py)
+    # prefill/decode disaggregation: {protocol: vllm | sglang | prefixgate}, with upstreams of
+    # `role: prefill` and `decode` (pd.py); without it every upstream must be `role: both`
+    "pd": Key(dict, None),
 }
 
 
@@ -82,6 +85,7 @@ def validate(raw: Any) -> dict:
     if not cfg["upstreams"] and cfg["bundled"] is None and cfg["discovery"] is None:
         raise ConfigError("upstreams", "required (a list of {name, url}), `discovery:` "
                                        "or `bundled:`")
+    cfg["pd"] = pd.validate(cfg)
     for i, item in enumerate(cfg["plugins"]):
         if not (isinstance(item, dict) and len(item) == 1) and not isinstance(item, str):
             raise ConfigError(f"plugins[{i}]", "must be a plugin name or a one-key mapping "

@@ -29,6 +29,12 @@ class RequestContext:
     t: dict[str, float] = field(default_factory=dict)
     wall: float = 0.0                          # time.time() at arrival (access log, spans)
     upstream: Any = None                       # the chosen proxy.upstream.Upstream
+    # prefill/decode disaggregation (proxy/pd.py): the flow it takes, the `pd.protocol` name
+    # (vllm, sglang, prefixgate), "fallback" (no prefill leg succeeded: recomputed plain) or
+    # None (a plain request); `upstream` is then the decode upstream
+    pd: str | None = None
+    prefill_upstream: Any = None               # the Upstream of its prefill leg (None: none)
+    prefill_s: float = 0.0                     # its prefill legs, written -> answered, summed
     route_info: dict = field(default_factory=dict)   # why it was chosen (scores, matched blocks)
     tokens: list[int] | None = None            # prompt token ids, when a tokenizer is configured
     block_hashes: list[int] | None = None      # prefix hash chain for routing ...

@@ -141,6 +141,10 @@ class Observer:
             "stream": ctx.stream, "status": ctx.status or _status(resp),
             "upstream": ctx.upstream.name if ctx.upstream is not None else None,
             "attempts": ctx.attempts, "route": _route(ctx),
+            # P/D (pd.py): the protocol or "fallback"; `upstream` is then the decode upstream
+            "pd": ctx.pd,
+            "prefill_upstream": ctx.prefill_upstream.name if ctx.prefill_upstream else None,
+            "prefill_leg_ms": round(ctx.prefill_s * 1e3, 3) if ctx.prefill_s else None,
             "moved": [f"{m['type']}:{m['label']}" for m in ctx.moved] or None,
             "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
             **breakdown.fields(ctx),

@@ -84,6 +84,7 @@ async def _apply_upstreams(gw, configs: list[dict]) -> None:
         if c is not None and c != up.cfg:
             up.cfg = c
             up.max_inflight = c["max_inflight"]
+            up.role = c["role"]
             up.timeouts = c["timeouts"]
             up.extra_headers = {str(k): str(v) for k, v in c["headers"].items()}
             up.replaced_headers = up.replaced_headers | {k.lower() for k in up.extra_headers}

@@ -1,9 +1,11 @@
 """One routing decision: filters → weighted scorers → pick (DESIGN.md §2).
 
 Filters narrow the upstreams to those that can take the request: serving its model (404 when
-none does), healthy, not already tried by this request (unless every one was), and with room. When none has room and the chain can
-queue (an `admit` hook), every candidate stays in: the best one is picked all the same and the
-request waits for a slot on it. Scorers then add their weighted scores and the best total
+none does), healthy and of the wanted role (P/D: `prefill` upstreams take only prefill legs;
+everything else goes to `decode` and `both` ones), not already tried by this request (unless
+every one was), and with room. When none has room and the chain can queue (an `admit` hook),
+every candidate stays in: the best one is picked all the same and the request waits for a
+slot on it. Scorers then add their weighted scores and the best total
 wins, ties broken at random. The scorers run even when one candidate is left, so each request
 is counted once in the route metrics and carries its route header whatever the fleet's size.
 A decision is made once per attempt: a queued request is not scored again while it waits.
@@ -21,17 +23,36 @@ if TYPE_CHECKING:
     from prefixgate.proxy.upstream import Upstream
 
 
+# upstream roles (the `role:` key) a decision may pick: plain requests and P/D decode legs,
+# and P/D prefill legs
+SERVING = frozenset({"decode", "both"})
+PREFILL = frozenset({"prefill"})
+
+
+class LeastLoaded:
+    """The built-in load scorer (a P/D request's decode upstream): fewest requests in flight
+    plus waiting for a slot."""
+    name = "least_loaded"
+    weight = 1.0
+
+    @staticmethod
+    def score(ctx, upstreams) -> dict:
+        return {u: -float(u.inflight + u.waiting) for u in upstreams}
+
+
 def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
-           tried: Iterable["Upstream"] = ()) -> "Upstream":
-    """The upstream for this attempt; HTTPError 503 (none healthy) or 429 (all full)."""
+           tried: Iterable["Upstream"] = (), roles: frozenset = SERVING,
+           scorers: list | None = None) -> "Upstream":
+    """The upstream for this attempt among those of `roles`, by `scorers` (default: the
+    chain's); HTTPError 503 (none healthy) or 429 (all full)."""
     pinned = [u for u in upstreams if u.name == ctx.pin] if ctx.pin is not None else None
     if pinned:
         upstreams = pinned      # a stored response lives there and nowhere else
     elif ctx.model is not None or ctx.endpoint is None or ctx.endpoint.body != "none":
         upstreams = serving(upstreams, ctx.model)
-    healthy = [u for u in upstreams if u.healthy]
+    healthy = [u for u in upstreams if u.healthy and u.role in roles]
     if not healthy:
-        raise HTTPError(503, "no healthy upstream", code="no_healthy_upstream",
+        raise HTTPError(503, _none_healthy(upstreams, roles), code="no_healthy_upstream",
                         headers={"Retry-After": "1"})
     candidates = ([u for u in healthy if u not in tried] or healthy) if tried else healthy
     free = (chain.with_room(candidates) if chain.with_room is not None else
@@ -41,7 +62,14 @@ def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
             raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
                             headers={"Retry-After": "1"})
         free = candidates          # all full: the request waits for the one picked here
-    return pick(chain.scorers, ctx, free)
+    return pick(chain.scorers if scorers is None else scorers, ctx, free)
+
+
+def _none_healthy(upstreams: list["Upstream"], roles: frozenset) -> str:
+    if not upstreams or any(u.role in roles for u in upstreams):
+        return "no healthy upstream"
+    return (f"no upstream with role {' or '.join(sorted(roles))} serves this request "
+            f"(roles here: {', '.join(sorted({u.role for u in upstreams}))})")
 
 
 def serving(upstreams: list["Upstream"], model: str | None) -> list["Upstream"]:

@@ -60,6 +60,14 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
+def encode_body(body: dict) -> bytes:
+    """A JSON body as it is sent on (to an upstream)."""
+    try:
+        return json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:     # a lone surrogate (\\ud800) from the client: keep it escaped
+        return json.dumps(body).encode()
+
+
 def json_errors_middleware(
         reasons: Callable[[web.Request, int], str | None] | None = None, *,
         passthrough: tuple[type[BaseException], ...] = (),

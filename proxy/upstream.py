@@ -28,6 +28,14 @@ UPSTREAM = {
     # the model ids it serves; default: whatever its GET /v1/models lists (refreshed with
     # the health probes). Given here, the list wins (a backend without /v1/models).
     "models": Key(list, None),
+    # prefill/decode disaggregation (`pd:`, proxy/pd.py): "prefill" takes only the prefill
+    # legs of P/D requests; "decode" the decode legs and plain requests; "both" everything
+    # but prefill legs (a server that is not split, the default)
+    "role": Key(str, "both", one_of("prefill", "decode", "both")),
+    # SGLang: the prefill server's --disaggregation-bootstrap-port, sent to both legs as
+    # `bootstrap_port` (null: SGLang's default port)
+    "bootstrap_port": Key((int, type(None)), None,
+                          lambda p: None if 0 < p < 65536 else "must be 1..65535"),
 }
 
 
@@ -70,6 +78,7 @@ class Upstream:
         self.name: str = cfg["name"]
         self.url: str = cfg["url"]
         self.max_inflight: int = cfg["max_inflight"]
+        self.role: str = cfg["role"]        # prefill | decode | both (route.py filters on it)
         self.timeouts: dict = cfg["timeouts"]
         self.extra_headers: dict = {str(k): str(v) for k, v in cfg["headers"].items()}
         self.inflight = 0                   # requests being exchanged with it now

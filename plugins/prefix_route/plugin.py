@@ -284,12 +284,13 @@ class PrefixRoute(Plugin):
         """The chosen upstream has answered, so it has computed the prompt: remember that.
 
         Recording now rather than at the choice keeps the index truthful (a request that
-        failed over, or failed, is recorded where it really ran, or not at all).
+        failed over, or failed, is recorded where it really ran, or not at all). A P/D
+        request's prompt was computed by its prefill upstream (proxy/pd.py).
         """
         self.record(ctx)
 
     def record(self, ctx, up=None) -> None:
-        up = up or ctx.upstream
+        up = up or ctx.prefill_upstream or ctx.upstream
         if up is None:
             return
         keys = self.keys(ctx)
