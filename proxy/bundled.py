@@ -20,21 +20,24 @@ class BundledEngines:
 
     def __init__(self, cfg: dict, tracing: dict | None = None):
         self.cfg = cfg                      # the validated `bundled:` mapping
+        self.roles = cfg.get("roles") or ["both"] * cfg["instances"]     # --role per engine
         self.tracing = tracing              # the gateway's `tracing:`: the engines trace too
         self.procs: list[asyncio.subprocess.Process] = []
         # ports are chosen up front so the gateway (and its plugins) can be built first
-        self.ports = [free_port(cfg["host"]) for _ in range(cfg["instances"])]
+        self.ports = [free_port(cfg["host"]) for _ in self.roles]
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
 
     def upstream_configs(self, timeouts: dict) -> list[dict]:
         """The engines as `upstreams:` entries, with every default filled in."""
-        raw = [{"name": f"engine{i}", "url": url} for i, url in enumerate(self.urls)]
+        raw = [{"name": f"{role}{i}" if role != "both" else f"engine{i}", "url": url,
+                "role": role} for i, (url, role) in enumerate(zip(self.urls, self.roles))]
         return check_upstreams(raw, timeouts)
 
     async def start(self) -> None:
-        for port in self.ports:
+        for port, role in zip(self.ports, self.roles):
             cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
-                   "--host", self.cfg["host"], "--port", str(port), *self.engine_args()]
+                   "--host", self.cfg["host"], "--port", str(port), "--role", role,
+                   *self.engine_args()]
             self.procs.append(await asyncio.create_subprocess_exec(*cmd))
         await asyncio.gather(*(
             wait_ready(url, "/health", self.cfg["startup_timeout_s"], proc,

@@ -16,6 +16,7 @@ import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
 from prefixgate.proxy import config as config_mod
+from prefixgate.proxy import pd
 from prefixgate.proxy.server import install_uvloop, start_app
 from prefixgate.proxy.spec import ConfigError
 
@@ -302,7 +303,10 @@ def not_a_client_error(record: logging.LogRecord) -> bool:
 
 
 def with_engines(cfg: dict, engines) -> dict:
-    return {**cfg, "upstreams": cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])}
+    upstreams = cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])
+    if cfg["pd"] is not None:
+        pd.check_roles(upstreams)
+    return {**cfg, "upstreams": upstreams}
 
 
 async def reload(gateway, reload_config, engines, lock: asyncio.Lock) -> None:

@@ -35,6 +35,10 @@ TOP = {
     "bundled": Key(dict, None, nested={
         "model": Key(str, "demo"),             # a model dir, or "demo" for the built-in model
         "instances": Key(int, 1, positive),    # engine processes (more than one needs a router)
+        # P/D: this many `--role prefill` and `--role decode` engines instead of `instances`
+        # mixed ones; the gateway then drives them as `pd: {protocol: prefixgate}`
+        "prefill": Key(int, 0, non_negative),
+        "decode": Key(int, 0, non_negative),
         "host": Key(str, "127.0.0.1"),
         "args": Key(list, list),               # extra `prefixgate backend` flags
         "startup_timeout_s": Key((int, float), 600.0, positive),
@@ -85,6 +89,7 @@ def validate(raw: Any) -> dict:
     if not cfg["upstreams"] and cfg["bundled"] is None and cfg["discovery"] is None:
         raise ConfigError("upstreams", "required (a list of {name, url}), `discovery:` "
                                        "or `bundled:`")
+    cfg["bundled"] = _bundled(cfg)
     cfg["pd"] = pd.validate(cfg)
     for i, item in enumerate(cfg["plugins"]):
         if not (isinstance(item, dict) and len(item) == 1) and not isinstance(item, str):
@@ -94,6 +99,23 @@ def validate(raw: Any) -> dict:
     cfg["model_aliases"] = _aliases(cfg["model_aliases"])
     cfg["passthrough"] = _passthrough(cfg["passthrough"])
     return cfg
+
+
+def _bundled(cfg: dict) -> dict | None:
+    """`bundled:` with its engines' roles: `prefill: N, decode: M` (both or neither), else
+    `instances` engines doing both; P/D engines bring `pd: {protocol: prefixgate}`."""
+    b = cfg["bundled"]
+    if b is None:
+        return None
+    if bool(b["prefill"]) != bool(b["decode"]):
+        raise ConfigError("bundled", "prefill and decode go together (e.g. prefill: 1, "
+                                     "decode: 1): a P/D pair needs both")
+    if b["prefill"]:
+        if cfg["pd"] is None:
+            cfg["pd"] = {"protocol": "prefixgate"}
+        return {**b, "instances": b["prefill"] + b["decode"],
+                "roles": ["prefill"] * b["prefill"] + ["decode"] * b["decode"]}
+    return {**b, "roles": ["both"] * b["instances"]}
 
 
 def _models(cfg: dict) -> dict[str, dict]:

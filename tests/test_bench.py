@@ -281,3 +281,57 @@ async def test_every_request_of_a_run_is_its_own(make_standin):
     users = [r["json"]["messages"][1]["content"] for r in up.requests]
     assert len(users) == 14 and len(set(users)) == 14
     assert len({r["json"]["messages"][0]["content"] for r in up.requests}) == 1   # shared
+
+
+class PDStandInEngines:
+    """Stand-ins for engines with roles: vLLM-like prefill and decode instances sharing one
+    KV store (proxy/testing/pd_standin.py), plain stand-ins for `both`."""
+
+    def __init__(self, cfg):
+        from prefixgate.proxy.testing.pd_standin import KVStore, VllmDecode, VllmPrefill
+        self.cfg, self.standins, self.urls = cfg, [], []
+        kv = KVStore()
+        self.kinds = {"prefill": lambda b: VllmPrefill(b, kv=kv),
+                      "decode": lambda b: VllmDecode(b, kv=kv), "both": StandIn}
+
+    async def start(self):
+        for role in self.cfg["roles"]:
+            b = Behaviour(model="demo", tokens=4, gap=0.002, record=False)
+            s = await self.kinds[role](b).start()
+            self.standins.append(s)
+            self.urls.append(s.url)
+
+    async def stop(self):
+        for s in self.standins:
+            await s.stop()
+
+
+async def test_seed_pd_stage_runs_a_prefill_and_a_decode_engine(tmp_path):
+    w = bench_seed.Workload(prompt_tokens=300, tenants=2, requests=4, warmup=2, concurrency=2,
+                            think_ms=20, max_tokens=2, rounds=1)
+    stage = next(s for s in bench_seed.STAGES if s.name == "+PD disaggregation")
+    args = bench.parse_args(["--scenario", "seed"])
+    archive = await bench_seed.run_stages(w, [stage], Lengths(load_tokenizer("demo")), args,
+                                          launcher=PDStandInEngines)
+    cell = archive["cells"][0]
+    assert cell["gateway"]["pd"] == {"protocol": "prefixgate"}
+    assert [u["role"] for u in cell["gateway"]["upstreams"]] == ["prefill", "decode"]
+    assert cell["summary"]["errors"] == 0 and cell["summary"]["requests"] == 4
+
+
+async def test_mixed_scenario_runs_both_layouts(capsys):
+    from prefixgate.proxy.bench import mixed
+
+    w = mixed.MixedWorkload(decoders=2, decoder_prompt_tokens=32, decoder_tokens=4,
+                            long_prompt_tokens=200, long_requests=3, rate=20.0)
+    archive = await mixed.run_layouts(w, Lengths(load_tokenizer("demo")), 30.0, 500.0,
+                                      launcher=PDStandInEngines)
+    mixed.print_mixed(archive)
+    cells = {(c["layout"], c["kind"]): c["summary"] for c in archive["cells"]}
+    assert set(cells) == {("mixed", "long"), ("mixed", "decode"), ("pd", "long"),
+                          ("pd", "decode")}
+    for (layout, kind), s in cells.items():
+        assert s["errors"] == 0, (layout, kind)
+    assert cells[("pd", "long")]["requests"] == 3 and cells[("pd", "decode")]["requests"] > 0
+    out = capsys.readouterr().out
+    assert "layout" in out and "\npd " in out and "\nmixed " in out

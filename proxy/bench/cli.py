@@ -19,6 +19,7 @@ import sys
 
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
+from prefixgate.proxy.bench.mixed import run_mixed
 from prefixgate.proxy.bench.seed import run_seed
 from prefixgate.proxy.bench.stats import cell_table, compare_table, server_timing_lines
 from prefixgate.proxy.bench.target import (TargetError, auth_headers, base_url, cell_record,
@@ -55,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "`prefixgate bench compare A.json B.json` prints ratios.")
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
                                  "is fine)")
-    p.add_argument("--scenario", choices=["seed"], help="run a built-in scenario instead: "
-                   "`seed` is the TTFT staircase on the bundled demo engine")
+    p.add_argument("--scenario", choices=["seed", "mixed"], help="run a built-in scenario "
+                   "instead: `seed` is the TTFT staircase on the bundled demo engine; `mixed`: "
+                   "long prompts arriving while other requests decode, with and without "
+                   "prefill/decode disaggregation")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.scenario == "seed":
         return run_seed(args)
+    if args.scenario == "mixed":
+        return run_mixed(args)
     if not args.url:
         parser.error("--url is required (or --scenario seed)")
     try:

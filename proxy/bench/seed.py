@@ -10,6 +10,9 @@ stage adding one fix to the one before (engines restarted, so no stage inherits 
     +prefix cache      engines reuse the KV of prompt prefixes they computed before
     +chunked prefill   long prefills are split so they do not stall other requests
     +affinity routing  requests go to the engine that holds their prefix (prefix_route)
+    +PD disaggregation one prefill and one decode engine instead of the two mixed ones (same
+                       cores): prefills no longer stall decodes; the prefill engine holds
+                       every tenant's prefix its cache has room for
 
 The workload, scaled to CPU: fixed-length prompts whose first 80% is one of several
 tenants' system prompts with tool definitions, headed by the current time; the rest is per
@@ -50,6 +53,10 @@ class Stage:
     prefix_cache: bool
     chunked_prefill: bool
     routing: str                     # a routing plugin: round_robin or prefix_route
+    pd: bool = False                 # one prefill + one decode engine (`pd: prefixgate`)
+
+    def roles(self, w: "Workload") -> list[str]:
+        return ["prefill", "decode"] if self.pd else ["both"] * w.engines
 
     def engine_args(self, w: "Workload") -> list[str]:
         args = ["--num-kv-blocks", str(w.kv_blocks()), "--max-num-seqs", str(w.concurrency),
@@ -76,6 +83,7 @@ STAGES = [
     Stage("+prefix cache", True, True, False, "round_robin"),
     Stage("+chunked prefill", True, True, True, "round_robin"),
     Stage("+affinity routing", True, True, True, "prefix_route"),
+    Stage("+PD disaggregation", True, True, True, "prefix_route", pd=True),
 ]
 
 
@@ -211,8 +219,9 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
                     launcher=None, offset: int = 0) -> dict:
     """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
     put a gateway with the stage's plugins in front, measure, stop everything."""
+    roles = stage.roles(w)
     engines = (launcher or BundledEngines)({
-        "model": "demo", "instances": w.engines, "host": "127.0.0.1",
+        "model": "demo", "instances": len(roles), "roles": roles, "host": "127.0.0.1",
         "args": stage.engine_args(w), "startup_timeout_s": 600})
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(w.engine_threads)     # inherited by the engines only
@@ -226,8 +235,11 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
             del os.environ["OMP_NUM_THREADS"]
         else:
             os.environ["OMP_NUM_THREADS"] = saved
-    raw = {"upstreams": [{"name": f"engine{i}", "url": u} for i, u in enumerate(engines.urls)],
+    raw = {"upstreams": [{"name": f"engine{i}", "url": u, "role": role}
+                         for i, (u, role) in enumerate(zip(engines.urls, roles))],
            "plugins": stage.plugins(w), "timeouts": {"first_byte": timeout, "idle": timeout}}
+    if stage.pd:
+        raw["pd"] = {"protocol": "prefixgate"}
     runner = None
     try:
         gateway = Gateway(config_mod.validate(raw))
