@@ -3,12 +3,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gc
+
+import aiohttp.web_app
 import pytest
 
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.server import start_app
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines_after_each_module():
+    """Free the engines a module started (each holds its weights and a 1 GiB KV cache) when
+    the module is done, so the suite's memory stays flat: aiohttp keeps the handlers of every
+    app it served in an LRU cache of 1,024 (`_cached_build_middleware`, harmless with one app
+    per process), and those bound methods keep their servers and engines alive."""
+    yield
+    cached = getattr(aiohttp.web_app, "_cached_build_middleware", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    gc.collect()
 
 
 @dataclass

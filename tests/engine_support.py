@@ -5,6 +5,7 @@ Also: transformers' own greedy generation as the reference, and a /metrics reade
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import threading
@@ -35,6 +36,11 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+        # the engine (weights, a 1 GiB KV cache) sits in reference cycles with its event
+        # loop: free it now, not at the next full collection, or a test run's memory grows
+        # by an engine per module
+        self.server = self._loop = None
+        gc.collect()
 
     def _main(self) -> None:
         asyncio.run(self._serve())
