@@ -15,7 +15,6 @@ p99 of the decoding users should stay near their ITL p50.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -23,10 +22,10 @@ from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, stream_once
-from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
 from prefixgate.proxy.bench.stats import fmt
-from prefixgate.proxy.bench.target import cell_record, client_session, measure, request_body
-from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, measure,
+                                           request_body, run_demo_scenario, start_engines)
 from prefixgate.proxy.server import start_app
 
 LAYOUTS = {"mixed": ["both", "both"], "pd": ["prefill", "decode"]}
@@ -70,19 +69,9 @@ def parse_workload(args) -> MixedWorkload:
 
 def run_mixed(args) -> int:
     w = parse_workload(args)
-    try:
-        lengths = Lengths(load_tokenizer("demo"))
-    except (OSError, ValueError) as e:
-        print(f"prefixgate bench: cannot build the demo model: {e}", file=sys.stderr)
-        return 2
-    try:
-        archive = asyncio.run(run_layouts(w, lengths, args.timeout, args.slo_ttft_ms))
-    except RuntimeError as e:
-        print(f"prefixgate bench: {e}", file=sys.stderr)
-        return 1
-    print_mixed(archive)
-    archive_mod.save_outputs(archive, args.out, args.plot)
-    return 0
+    return run_demo_scenario(
+        args, lambda lengths: run_layouts(w, lengths, args.timeout, args.slo_ttft_ms),
+        print_mixed)
 
 
 async def run_layouts(w: MixedWorkload, lengths: Lengths, timeout: float,
@@ -117,27 +106,8 @@ async def run_layout(name: str, w: MixedWorkload, decode_prompts: PromptSet,
     """One run: engines in this layout (`launcher`, default: bundled engine processes), the
     gateway in front, both loads at once; returns (long-prompt samples, decoder samples)."""
     roles = LAYOUTS[name]
-    engines = (launcher or BundledEngines)({"model": "demo", "instances": len(roles), "roles": roles,
-                              "host": "127.0.0.1", "args": w.engine_args(),
-                              "startup_timeout_s": 600})
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(w.engine_threads)     # inherited by the engines only
-    try:
-        await engines.start()
-    except BaseException:
-        await engines.stop()
-        raise
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    raw = {"upstreams": [{"name": f"engine{i}", "url": u, "role": role}
-                         for i, (u, role) in enumerate(zip(engines.urls, roles))],
-           "plugins": [{"least_inflight": {}}, {"metrics": {}}],
-           "timeouts": {"first_byte": timeout, "idle": timeout}}
-    if "prefill" in roles:
-        raw["pd"] = {"protocol": "prefixgate"}
+    engines = await start_engines(roles, w.engine_args(), w.engine_threads, launcher)
+    raw = engines_config(engines, roles, [{"least_inflight": {}}, {"metrics": {}}], timeout)
     runner = None
     try:
         gateway = Gateway(config_mod.validate(raw))

@@ -29,8 +29,6 @@ fixes also drain the queue the baseline builds, as they did in the published exp
 """
 from __future__ import annotations
 
-import asyncio
-import os
 import random
 import sys
 from dataclasses import asdict, dataclass
@@ -38,10 +36,10 @@ from dataclasses import asdict, dataclass
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
-from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer, words
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import fmt, reduction, summarize
-from prefixgate.proxy.bench.target import cell_record, client_session, measure, request_body
-from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, measure,
+                                           request_body, run_demo_scenario, start_engines)
 from prefixgate.proxy.doctor import metrics as pm
 from prefixgate.proxy.server import start_app
 
@@ -175,20 +173,9 @@ def parse_workload(args) -> Workload:
 
 def run_seed(args) -> int:
     w = parse_workload(args)
-    try:
-        lengths = Lengths(load_tokenizer("demo"))
-    except (OSError, ValueError) as e:
-        print(f"prefixgate bench: cannot build the demo model: {e}", file=sys.stderr)
-        return 2
     stages = [s for s in STAGES if not args.stages or s.name.lstrip("+") in args.stages]
-    try:
-        archive = asyncio.run(run_stages(w, stages, lengths, args))
-    except RuntimeError as e:
-        print(f"prefixgate bench: {e}", file=sys.stderr)
-        return 1
-    print_staircase(archive)
-    archive_mod.save_outputs(archive, args.out, args.plot)
-    return 0
+    return run_demo_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
+                             print_staircase)
 
 
 async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
@@ -220,26 +207,8 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
     """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
     put a gateway with the stage's plugins in front, measure, stop everything."""
     roles = stage.roles(w)
-    engines = (launcher or BundledEngines)({
-        "model": "demo", "instances": len(roles), "roles": roles, "host": "127.0.0.1",
-        "args": stage.engine_args(w), "startup_timeout_s": 600})
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(w.engine_threads)     # inherited by the engines only
-    try:
-        await engines.start()
-    except BaseException:
-        await engines.stop()
-        raise
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    raw = {"upstreams": [{"name": f"engine{i}", "url": u, "role": role}
-                         for i, (u, role) in enumerate(zip(engines.urls, roles))],
-           "plugins": stage.plugins(w), "timeouts": {"first_byte": timeout, "idle": timeout}}
-    if stage.pd:
-        raw["pd"] = {"protocol": "prefixgate"}
+    engines = await start_engines(roles, stage.engine_args(w), w.engine_threads, launcher)
+    raw = engines_config(engines, roles, stage.plugins(w), timeout)
     runner = None
     try:
         gateway = Gateway(config_mod.validate(raw))

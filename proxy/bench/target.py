@@ -3,15 +3,18 @@ URL and auth, the client session, the request body, the model to ask for, and me
 cell of requests into an archive record."""
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 from typing import Callable
 
 import aiohttp
 
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, closed_loop, open_loop, stream_once
-from prefixgate.proxy.bench.prompts import Lengths
+from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
 from prefixgate.proxy.bench.stats import summarize
+from prefixgate.proxy.bundled import BundledEngines
 
 
 class TargetError(Exception):
@@ -97,3 +100,52 @@ def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: flo
     origin = min((s.start for s in samples), default=0.0)
     return {"label": label, **params, "summary": summarize(samples, slo_ttft_s),
             "samples": [s.to_json(origin) for s in samples]}
+
+
+async def start_engines(roles: list[str], args: list[str], threads: int, launcher=None):
+    """Bundled engines on the demo model, one per role (`launcher`: stand-ins, for tests),
+    each with `threads` torch threads (engines x threads <= cores); started and ready."""
+    engines = (launcher or BundledEngines)({
+        "model": "demo", "instances": len(roles), "roles": roles, "host": "127.0.0.1",
+        "args": args, "startup_timeout_s": 600})
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)     # inherited by the engines only
+    try:
+        await engines.start()
+    except BaseException:
+        await engines.stop()
+        raise
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return engines
+
+
+def engines_config(engines, roles: list[str], plugins: list, timeout: float) -> dict:
+    """A gateway config in front of `engines` (P/D, `pd: prefixgate`, when a role asks)."""
+    raw = {"upstreams": [{"name": f"engine{i}", "url": u, "role": role}
+                         for i, (u, role) in enumerate(zip(engines.urls, roles))],
+           "plugins": plugins, "timeouts": {"first_byte": timeout, "idle": timeout}}
+    if "prefill" in roles:
+        raw["pd"] = {"protocol": "prefixgate"}
+    return raw
+
+
+def run_demo_scenario(args, run, report) -> int:
+    """A built-in scenario on the demo model: `run(lengths)` (a coroutine) makes its archive,
+    `report(archive)` prints it; then --out/--plot. Exit status 0, 1 (it failed), 2 (no demo)."""
+    try:
+        lengths = Lengths(load_tokenizer("demo"))
+    except (OSError, ValueError) as e:
+        print(f"prefixgate bench: cannot build the demo model: {e}", file=sys.stderr)
+        return 2
+    try:
+        archive = asyncio.run(run(lengths))
+    except RuntimeError as e:
+        print(f"prefixgate bench: {e}", file=sys.stderr)
+        return 1
+    report(archive)
+    archive_mod.save_outputs(archive, args.out, args.plot)
+    return 0
