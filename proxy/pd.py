@@ -7,7 +7,8 @@
 
 Chat and completion requests go P/D while a healthy `prefill` upstream serves their model;
 other requests (embeddings, ...) and those go plain, to `decode` and `both` upstreams only.
-The decode upstream is chosen first, by load alone (route.LeastLoaded; it holds the request's
+The decode upstream is chosen first, by load alone (route.LeastLoaded: in flight + waiting,
+or the backends' polled counts and KV usage when prefix_route polls them; it holds the request's
 admission slot for the whole answer); the prefill upstream for each prefill leg, by the
 chain's scorers among the `prefill` upstreams (prefix affinity: that is where the prompt is
 computed, and where `prefix_route` records it).

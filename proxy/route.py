@@ -31,13 +31,22 @@ PREFILL = frozenset({"prefill"})
 
 class LeastLoaded:
     """The built-in load scorer (a P/D request's decode upstream): fewest requests in flight
-    plus waiting for a slot."""
+    plus waiting for a slot — by the backend's own polled counts when a poller runs
+    (`Upstream.polled`: every gateway replica sees them alike), with the polled KV-cache
+    usage (0..1) breaking ties between equally loaded upstreams."""
     name = "least_loaded"
     weight = 1.0
 
     @staticmethod
     def score(ctx, upstreams) -> dict:
-        return {u: -float(u.inflight + u.waiting) for u in upstreams}
+        scores = {}
+        for u in upstreams:
+            polled = u.polled
+            if polled is None:
+                scores[u] = -float(u.inflight + u.waiting)
+            else:
+                scores[u] = -(polled.load(u) + u.waiting + (polled.kv_usage(u) or 0.0))
+        return scores
 
 
 def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",

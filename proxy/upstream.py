@@ -83,6 +83,9 @@ class Upstream:
         self.extra_headers: dict = {str(k): str(v) for k, v in cfg["headers"].items()}
         self.inflight = 0                   # requests being exchanged with it now
         self.waiting = 0                    # requests routed to it, queued for a slot
+        # the backend's own view of its load, when a plugin polls it (prefix_route's
+        # poll_metrics_s): an object with load(up) and kv_usage(up); None: in-flight counts
+        self.polled = None
         self.healthy = True
         # model cards ({"id", ...}) as its /v1/models lists them, and the ids it serves
         # (None while unknown: it is then offered every model)

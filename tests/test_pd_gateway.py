@@ -354,6 +354,33 @@ async def test_prefill_upstream_is_chosen_by_the_prefix_scorers(start, make_gate
     assert "outcome=cache" in seen[2][1]
 
 
+async def test_decode_upstream_by_the_backends_polled_load_and_kv_usage(start, make_gateway):
+    """With prefix_route polling the backends' /metrics, the decode upstream is the one the
+    backends themselves report least loaded — what other gateway replicas sent counts too —
+    and, at equal load, the one with the emptier KV cache."""
+    kv = KVStore()
+    p = await start(VllmPrefill(Behaviour(tokens=1), kv=kv))
+    full = await start(VllmDecode(Behaviour(tokens=4, kv_usage=0.9), kv=kv))
+    empty = await start(VllmDecode(Behaviour(tokens=4, kv_usage=0.1), kv=kv))
+    ups = [{"name": "p", "url": p.url, "role": "prefill"},
+           {"name": "full", "url": full.url, "role": "decode"},
+           {"name": "empty", "url": empty.url, "role": "decode"}]
+    gw = await make_gateway({"upstreams": ups, "pd": {"protocol": "vllm"}, "plugins": [
+        {"prefix_route": {"policy": "cache_aware", "poll_metrics_s": 0.05}}, {"metrics": {}}]})
+    async with aiohttp.ClientSession() as client:
+        async with asyncio.timeout(5):
+            while not all(u.polled for u in gw.gateway.upstreams):
+                await asyncio.sleep(0.02)
+        chosen = [(await post(client, gw.url, {**CHAT, "model": MODEL}))[1]["x-prefixgate-upstream"]
+                  for _ in range(4)]
+        assert chosen == ["empty"] * 4
+        empty.running = 3           # another replica's requests, seen only by polling
+        await asyncio.sleep(0.2)
+        status, headers, _ = await post(client, gw.url, {**CHAT, "model": MODEL})
+    empty.running = 0
+    assert status == 200 and headers["x-prefixgate-upstream"] == "full"
+
+
 async def test_no_decode_capable_upstream_at_request_time_is_a_clear_503(start, make_gateway):
     gw, (p,), (d,) = await vllm_fleet(start, make_gateway)
     prefill_only = [u.cfg for u in gw.gateway.upstreams if u.role == "prefill"]

@@ -124,3 +124,4 @@ class LoadPoller:
         parsed = parse_metrics(text)
         if parsed is not None:
             self.samples[up.name] = Sample(*parsed, up.inflight, time.monotonic())
+            up.polled = self            # the core's load scorer (P/D decode choice) reads it

@@ -49,6 +49,7 @@ class Behaviour:
     # Both are read per request, so a test may change them while the stand-in runs.
     models: list[str] | None = None
     lora: dict[str, str] = field(default_factory=dict)   # LoRA adapter id -> its base model id
+    kv_usage: float = 0.0        # vllm:kv_cache_usage_perc its /metrics reports
 
 
 @dataclass
@@ -185,7 +186,7 @@ class StandIn(Surface):
         return web.Response(text=(
             f"vllm:num_requests_running {self.running}\n"
             f"vllm:num_requests_waiting 0\n"
-            f"vllm:kv_cache_usage_perc 0.0\n" + cache))
+            f"vllm:kv_cache_usage_perc {self.behaviour.kv_usage}\n" + cache))
 
 
 @dataclass
