@@ -1,14 +1,16 @@
-"""OpenTelemetry traces over OTLP/HTTP, shared by the gateway and the bundled engine.
+"""OpenTelemetry traces over OTLP/HTTP: the `tracing:` config, shared by the gateway and the
+bundled engine, and the engine's tracer.
 
 `tracing: {otlp_endpoint: URL, service_name: prefixgate, sample_ratio: 1.0}` (the engine:
-`--otlp-traces-endpoint URL`). Spans are batched and exported by the SDK's worker thread,
-so a request never waits for the collector; a full queue drops spans, never requests. An
-unreachable collector costs one log line a minute (`RateLimitedLog`), nothing more.
+`--otlp-traces-endpoint URL`). The engine's spans (`Tracing`) are batched and exported by the
+SDK's worker thread, so a request never waits for the collector; a full queue drops spans,
+never requests. The gateway records and exports its own spans more cheaply
+(proxy/span_export.py). An unreachable collector costs one log line a minute
+(`RateLimitedLog`), nothing more.
 
 The SDK is the optional extra `otel` (`pip install 'prefixgate[otel]'`); it is imported only
 when tracing is configured, and a config that asks for tracing without it fails at start-up.
-Incoming W3C `traceparent`/`tracestate` headers are continued; `inject()` gives the headers
-that carry a span's context on to an upstream (so vLLM's own spans join the trace).
+An incoming W3C `traceparent` is continued (`Tracing.parent`).
 """
 from __future__ import annotations
 
@@ -100,22 +102,18 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace import SpanKind
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.kind_server, self.kind_client = SpanKind.SERVER, SpanKind.CLIENT
-        self._in_context = set_span_in_context
+        self.kind_server = SpanKind.SERVER
         self._propagator = TraceContextTextMapPropagator()
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": cfg["service_name"]}),
             sampler=ParentBased(TraceIdRatioBased(cfg["sample_ratio"])))
         exporter = OTLPSpanExporter(endpoint=traces_url(cfg["otlp_endpoint"]),
                                     timeout=cfg["export_timeout_s"])
-        self.resource = self.provider.resource
-        self.exporter = exporter
-        self.processor = BatchSpanProcessor(
-            exporter, export_timeout_millis=cfg["export_timeout_s"] * 1000)
-        self.provider.add_span_processor(self.processor)
+        self.provider.add_span_processor(BatchSpanProcessor(
+            exporter, export_timeout_millis=cfg["export_timeout_s"] * 1000))
         self.tracer = self.provider.get_tracer("prefixgate")
         self._quiet = RateLimitedLog()
         for name in EXPORT_LOGGERS:
@@ -127,19 +125,11 @@ class Tracing:
             return None
         return self._propagator.extract(headers)
 
-    def start(self, name: str, *, kind, parent=None, parent_span=None,
-              start_ns: int | None = None, attributes: dict | None = None):
-        """A span under `parent` (an extracted context) or `parent_span`."""
-        if parent_span is not None:
-            parent = self._in_context(parent_span)
+    def start(self, name: str, *, kind, parent=None, start_ns: int | None = None,
+              attributes: dict | None = None):
+        """A span under `parent` (an extracted context; None: a root span)."""
         return self.tracer.start_span(name, context=parent, kind=kind, start_time=start_ns,
                                       attributes=attributes)
-
-    def inject(self, span) -> list[tuple[str, str]]:
-        """`traceparent` (and `tracestate`) headers carrying `span`'s context."""
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, self._in_context(span))
-        return list(carrier.items())
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush what is queued (bounded: an unreachable collector cannot hold up shutdown)."""

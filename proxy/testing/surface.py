@@ -321,24 +321,24 @@ class Surface:
         self.completed += 1
         return out
 
-    async def retrieve_response(self, request: web.Request) -> web.Response:
+    def _stored_response(self, request: web.Request) -> tuple[str, dict | web.Response]:
+        """(id, the stored response) of GET/cancel, or (id, vLLM's error answer)."""
         self._count_connection(request)
         rid = request.match_info["response_id"]
         self._record(request, None, self.behaviour)
         if not rid.startswith("resp"):
-            return _invalid_response_id(rid)
+            return rid, _invalid_response_id(rid)
         resp = self.responses.get(rid)
-        return web.json_response(resp) if resp is not None else _response_not_found(rid)
+        return rid, resp if resp is not None else _response_not_found(rid)
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        _, resp = self._stored_response(request)
+        return resp if isinstance(resp, web.Response) else web.json_response(resp)
 
     async def cancel_response(self, request: web.Request) -> web.Response:
-        self._count_connection(request)
-        rid = request.match_info["response_id"]
-        self._record(request, None, self.behaviour)
-        if not rid.startswith("resp"):
-            return _invalid_response_id(rid)
-        resp = self.responses.get(rid)
-        if resp is None:
-            return _response_not_found(rid)
+        rid, resp = self._stored_response(request)
+        if isinstance(resp, web.Response):
+            return resp
         if resp["status"] not in ("queued", "in_progress"):
             return vllm_error("Cannot cancel a synchronous response.", 400,
                               "invalid_request_error", "response_id")
