@@ -131,6 +131,19 @@ class BlockManager:
             self.cached[h] = block.block_id
         seq.num_hashed_blocks = n_full
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks past the first `num_tokens` tokens (a rejected draft's):
+        never computed in full, so never cached, they go to the front of the free queue."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+                if block.hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (tail first, so its head stays cached longest)."""
         for bid in reversed(seq.block_table):

@@ -23,6 +23,7 @@ from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_bl
 from prefixgate.backend.sampling import SamplingParams, find_stop_string
 from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
+from prefixgate.backend.spec_decode import SpeculativeConfig, Speculator
 from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.engine")
@@ -54,6 +55,7 @@ class EngineArgs:
     kv_transfer_host: str | None = None          # None: the server's --host
     kv_transfer_port: int = 0                    # 0: a free port
     kv_transfer_timeout: float = 30.0            # seconds held blocks wait for their pull
+    speculative_config: SpeculativeConfig | None = None   # prompt-lookup drafts (backend/spec_decode.py)
 
 
 @dataclass
@@ -104,7 +106,8 @@ class LLMEngine:
                                  args.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
-        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager, eos)
+        self.speculator = Speculator(args.speculative_config) if args.speculative_config else None
+        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
                                   num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
                                   attention_backend=args.attention_backend,
@@ -182,6 +185,15 @@ class LLMEngine:
                 "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
                 "kv_held_blocks": s.num_held_blocks}
 
+    def spec_stats(self) -> dict | None:
+        """Speculative decoding's counters (vLLM's), or None when it is off."""
+        sp = self.speculator
+        if sp is None:
+            return None
+        return {"num_drafts": sp.num_drafts, "num_draft_tokens": sp.num_draft_tokens,
+                "num_accepted_tokens": sp.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(sp.accepted_per_pos)}
+
     # --- called from the worker thread -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -190,7 +202,7 @@ class LLMEngine:
         if batch is None:
             return []
         sampled = self.runner.run(batch)
-        return [self._output(seq) for seq in self.scheduler.update(batch, sampled)]
+        return [self._output(seq, n) for seq, n in self.scheduler.update(batch, sampled)]
 
     def _apply_queued(self) -> None:
         while self._adds:
@@ -209,25 +221,28 @@ class LLMEngine:
         while self._releases:
             self.scheduler.release(self._releases.popleft())
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, num_new: int) -> RequestOutput:
+        """The step's output for `seq`, which got `num_new` tokens (several: an accepted draft)."""
         req = self.requests[seq.request_id]
-        token = seq.token_ids[-1]
-        req.token_ids.append(token)
-        checked = len(req.text)
-        req.text += req.decoder.push(token)
-        if seq.is_finished:
-            req.text += req.decoder.flush()
         stop = seq.params.stop
         longest = max(map(len, stop), default=0)
-        if stop:
+        new = seq.token_ids[len(seq) - num_new:]
+        for i, token in enumerate(new):
+            req.token_ids.append(token)
+            checked = len(req.text)
+            req.text += req.decoder.push(token)
+            if seq.is_finished and i == num_new - 1:
+                req.text += req.decoder.flush()
             # Search only where a stop string could newly end (it may straddle older text).
-            cut = find_stop_string(req.text, stop, max(0, checked - longest + 1))
+            cut = find_stop_string(req.text, stop, max(0, checked - longest + 1)) if stop else -1
             if cut != -1:
                 req.text = req.text[:cut]
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
+                seq.drop_last_tokens(num_new - i - 1)
+                break
         if seq.is_finished:
             end = len(req.text)
             del self.requests[seq.request_id]

@@ -36,6 +36,7 @@ class _EngineCollector:
                        s["preemptions"])
         yield _gauge("prefixgate:kv_transfer_held_blocks",
                      "KV blocks held for a decode engine's pull (prefill side).", s["kv_held_blocks"])
+        yield from _spec_decode_metrics(self.engine.spec_stats())
         kv = self.kv
         if kv is None:
             return
@@ -50,6 +51,25 @@ class _EngineCollector:
                 ("kv_transfer_send_seconds", "Seconds spent answering pulls (request to 'done').", kv.seconds_sent),
                 ("kv_transfer_pull_seconds", "Seconds spent pulling (connect to last byte).", kv.seconds_pulled)):
             yield _counter("prefixgate:" + name, doc, value)
+
+
+def _spec_decode_metrics(spec: dict | None):
+    """vLLM's speculative decoding counters: acceptance rate = accepted / draft tokens, mean
+    acceptance length = 1 + accepted / drafts (tokens a drafted step yields)."""
+    if spec is None:
+        return
+    yield _counter("prefixgate:spec_decode_num_drafts", "Drafts verified (one per sequence per step).",
+                   spec["num_drafts"])
+    yield _counter("prefixgate:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                   spec["num_draft_tokens"])
+    yield _counter("prefixgate:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                   spec["num_accepted_tokens"])
+    per_pos = CounterMetricFamily("prefixgate:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at this position (0-based) was accepted.",
+                                  labels=["position"])
+    for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos
 
 
 def _gauge(name, doc, value):

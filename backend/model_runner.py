@@ -3,7 +3,8 @@
 Owns the paged KV cache: per layer a (k_cache, v_cache) pair shaped
 [num_blocks, block_size, num_kv_heads, head_dim]. The batch is flattened (every new token of
 every sequence, no padding); logits are computed only for the last token of the sequences
-whose chunk reaches their end. On CUDA, decode steps can replay captured CUDA graphs
+whose chunk reaches their end, and for each draft token of a drafted decode (its verification,
+`sampling.verify`). On CUDA, decode steps can replay captured CUDA graphs
 (`prefixgate.backend.cuda_graphs`) instead of launching every kernel from Python.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import torch
 
 from prefixgate.backend.attention import AttentionMetadata
-from prefixgate.backend.sampling import sample
+from prefixgate.backend.sampling import sample, verify
 from prefixgate.backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("prefixgate.engine")
@@ -63,26 +64,33 @@ class ModelRunner:
             self.graphs = _load_graph_runner(self, max_num_seqs, min(max_blocks, num_blocks))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Compute the batch; one sampled token per sequence whose chunk reaches its end."""
+    def run(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Compute the batch; per sequence the tokens it samples: none while its prompt's chunk
+        falls short of the end, else one (a drafted decode: its accepted draft and one more)."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        out: list[int | None] = [None] * len(batch.seqs)
+        out: list[list[int]] = [[] for _ in batch.seqs]
         if not sampling:
             return out
-        rows = torch.tensor([last_rows[i] for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        # a drafted sequence needs the rows of its last token and of each draft token
+        rows = [r for i in sampling for r in range(last_rows[i] - len(batch.drafts[i]), last_rows[i] + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         seqs = [batch.seqs[i] for i in sampling]
         for s in seqs:
             if s.params.seed is not None and s.generator is None:
                 s.generator = s.params.make_generator(self.device)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for i, tok in zip(sampling, tokens):
-            out[i] = tok
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        drafts = [batch.drafts[i] for i in sampling]
+        if any(drafts):
+            tokens = verify(logits, drafts, params, generators)
+        else:
+            tokens = [[t] for t in sample(logits, params, generators)]
+        for i, toks in zip(sampling, tokens):
+            out[i] = toks
         return out
 
     def prepare(self, batch: ScheduledBatch):
@@ -94,9 +102,10 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, draft in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
+            ids.extend(draft)
             pos.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))

@@ -1,9 +1,16 @@
-"""Sampling: per-request parameters, the batched sampler, and the stop checks.
+"""Sampling: per-request parameters, the batched sampler, draft verification, the stop checks.
 
 A batch mixes greedy and random requests. Greedy rows take the argmax; random rows are scaled
 by their temperature, cut by top-k and top-p, and drawn with the exponential-race trick
 (argmax of p / Exp(1) noise) so one batched op samples every row while each row's noise can
 still come from its own seeded generator.
+
+`verify` checks speculative drafts (backend/spec_decode.py) against the target's own
+distributions, so that the output is distributed exactly as without drafts: a greedy row keeps
+draft tokens while they equal the argmax; a random row keeps draft token d with probability
+p(d) and, at the first rejection, draws from p with d removed (speculative sampling, Leviathan
+et al. 2023, with a draft distribution that is all on d). Every draft kept, one more token is
+drawn from the distribution after the last one.
 """
 from __future__ import annotations
 
@@ -60,11 +67,74 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if rand_rows:
         idx = torch.tensor(rand_rows, device=logits.device)
         probs = _filtered_probs(logits[idx], [params[i] for i in rand_rows])
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rand_rows):
-            noise[j].exponential_(generator=generators[i])
-        tokens[idx] = probs.div_(noise).argmax(dim=-1)
+        tokens[idx] = _race(probs, [generators[i] for i in rand_rows])
     return tokens.tolist()
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of `probs` [N, vocab]: argmax of p / Exp(1) noise, row i's noise from
+    generators[i]."""
+    noise = torch.empty_like(probs)
+    for j, gen in enumerate(generators):
+        noise[j].exponential_(generator=gen)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[list[int]]:
+    """The tokens each sequence keeps: its accepted draft prefix and one token of the target's.
+
+    Sequence i owns len(drafts[i]) + 1 consecutive rows of `logits` (float32): the
+    distributions after its last token and after each of its draft tokens."""
+    greedy = logits.argmax(dim=-1).tolist()
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    out: list[list[int]] = []
+    rand = []                           # random sequences: (i, the rows they own)
+    for i, (d, p) in enumerate(zip(drafts, params)):
+        if p.greedy:
+            rows = greedy[starts[i]:starts[i + 1]]
+            n = next((j for j, tok in enumerate(d) if tok != rows[j]), len(d))
+            out.append(d[:n] + [rows[n]])
+        else:
+            out.append([])
+            rand.append(i)
+    if rand:
+        _verify_random(logits, drafts, params, generators, starts, rand, out)
+    return out
+
+
+def _verify_random(logits, drafts, params, generators, starts, rand, out) -> None:
+    dev = logits.device
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in rand])
+    probs = _filtered_probs(logits[rows], [params[i] for i in rand
+                                           for _ in range(len(drafts[i]) + 1)])
+    # p(d) of every draft token, against a uniform draw each from the sequence's own generator
+    offsets, chances, draws = [0], [], []
+    for i in rand:
+        k = len(drafts[i])
+        offsets.append(offsets[-1] + k + 1)
+        if k:
+            at = torch.arange(offsets[-2], offsets[-2] + k, device=dev)
+            chances.append(probs[at, torch.tensor(drafts[i], device=dev)])
+            draws.append(torch.rand(k, generator=generators[i], device=dev, dtype=probs.dtype))
+    accept = (torch.cat(draws) < torch.cat(chances)).tolist() if chances else []
+    final_rows, rejected, pos = [], [], 0
+    for j, i in enumerate(rand):
+        k = len(drafts[i])
+        n = next((t for t in range(k) if not accept[pos + t]), k)
+        pos += k
+        out[i] = drafts[i][:n]
+        final_rows.append(offsets[j] + n)
+        rejected.append(drafts[i][n] if n < k else None)
+    final = probs[torch.tensor(final_rows, device=dev)]
+    for r, tok in enumerate(rejected):
+        if tok is not None:             # the residual (p - q)+ of a one-hot draft q: p without d
+            final[r, tok] = 0.0
+    tokens = _race(final, [generators[i] for i in rand]).tolist()
+    for i, tok in zip(rand, tokens):
+        out[i].append(tok)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

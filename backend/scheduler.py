@@ -18,6 +18,11 @@ until `release`. A sequence that arrives with its prompt's KV already written
 (`add_prefilled`) joins the running batch with all but its last prompt token computed, so
 its first step is that one token, scheduled as a decode, which samples its first output.
 
+Speculative decoding (backend/spec_decode.py): a decode may carry a draft, its guessed next
+tokens; it then computes 1 + len(draft) tokens in the step and `update` keeps the accepted
+ones. The draft's blocks are taken only from blocks nobody else needs this step (a draft never
+preempts a sequence), and the blocks of rejected tokens are given back at once.
+
 Where every token costs the same compute (a CPU: no idle units to fill), packing more
 prefill into a step that already finishes one prompt only delays that prompt's first token.
 With `step_overhead_tokens` set (a step's fixed cost in tokens of compute: ~30 for the demo
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.sampling import stop_token_reason
 from prefixgate.backend.sequence import Sequence, SequenceStatus
+from prefixgate.backend.spec_decode import Speculator
 
 
 @dataclass
@@ -58,7 +64,8 @@ class SchedulerConfig:
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]
+    num_new_tokens: list[int]           # a drafted decode: 1 + its draft's length
+    drafts: list[list[int]]             # per sequence, the draft tokens it computes after its own
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +78,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so the step samples a new one."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq) + len(self.drafts[i])
 
 
 class _InFlightBlocks:
@@ -105,10 +112,12 @@ class _InFlightBlocks:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset()):
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                 speculator: Speculator | None = None):
         self.config = config
         self.bm = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -139,7 +148,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         chunks: dict[Sequence, int] = {}
-        budget = self._schedule_decodes(chunks, budget)
+        drafts: dict[Sequence, list[int]] = {}
+        budget = self._schedule_decodes(chunks, drafts, budget)
         if self.config.enable_chunked_prefill:
             self._schedule_chunks(chunks, budget)
         else:
@@ -150,23 +160,44 @@ class Scheduler:
         for seq in chunks:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        return ScheduledBatch(list(chunks), list(chunks.values()))
+        return ScheduledBatch(list(chunks), list(chunks.values()), [drafts.get(s, []) for s in chunks])
 
-    def _schedule_decodes(self, chunks: dict[Sequence, int], budget: int) -> int:
-        for seq in list(self.running):
+    def _schedule_decodes(self, chunks: dict[Sequence, int], drafts: dict[Sequence, list[int]],
+                          budget: int) -> int:
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        for seq in decoding:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
-                continue        # preempted a moment ago, or still prefilling
+            if seq.status is not SequenceStatus.RUNNING:
+                continue        # preempted a moment ago
+            draft = self._draft(seq, len(decoding), budget)
             while not self.bm.allocate(seq, seq.num_computed_tokens + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                chunks[seq] = 1
-                budget -= 1
+                chunks[seq] = 1 + len(draft)
+                budget -= 1 + len(draft)
+                if draft:
+                    drafts[seq] = draft
         return budget
+
+    def _draft(self, seq: Sequence, batch_size: int, budget: int) -> list[int]:
+        """`seq`'s draft, with its blocks taken, if there is one and room for it: no more
+        tokens than max_tokens, the context and the budget leave, and blocks to spare."""
+        if self.speculator is None or budget < 2:
+            return []
+        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - len(seq) - 1)
+        draft = self.speculator.draft(seq, batch_size, room)
+        if not draft:
+            return []
+        spare = self.bm.num_free_blocks - batch_size      # a block for every decode first
+        need = self.bm.blocks_needed(len(seq) + len(draft)) - len(seq.block_table)
+        if need > spare or not self.bm.allocate(seq, len(seq) + len(draft)):
+            return []
+        return draft
 
     def _schedule_chunks(self, chunks: dict[Sequence, int], budget: int) -> None:
         """Chunked prefill: share out the budget (see the module doc), then take blocks in
@@ -267,26 +298,37 @@ class Scheduler:
             chunks[seq] = remaining
             budget -= remaining
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Record a finished step: advance computed counts, append the sampled tokens, stop
-        sequences that are done. Returns the sequences that got a new token."""
+    def update(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[tuple[Sequence, int]]:
+        """Record a finished step: advance computed counts, append the sampled tokens (a
+        drafted decode: its accepted draft tokens and one more), stop sequences that are done.
+        Returns the sequences that got new tokens, with how many."""
         out = []
         now = time.monotonic()
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
-            seq.num_computed_tokens += n
+        for seq, n, draft, tokens in zip(batch.seqs, batch.num_new_tokens, batch.drafts, sampled):
+            accepted = len(tokens) - 1 if draft else 0
+            seq.num_computed_tokens += n - (len(draft) - accepted)   # rejected tokens' KV is void
+            reason, added = None, 0
+            for token in tokens:
+                seq.append_token(token)
+                added += 1
+                reason = stop_token_reason(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
+                if reason is None and len(seq) >= self.config.max_model_len:
+                    reason = "length"
+                if reason is not None:
+                    break       # tokens accepted past a stop are never generated
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq))
             self.bm.cache_full_blocks(seq)
-            if token is None:
+            if draft:
+                self.bm.truncate(seq, len(seq))
+                self.speculator.record(seq, len(draft), accepted)
+            if not added:
                 continue
-            seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            reason = stop_token_reason(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
-            if reason is None and len(seq) >= self.config.max_model_len:
-                reason = "length"
             if reason is not None:
                 self.finish(seq, reason)
-            out.append(seq)
+            out.append((seq, added))
         return out
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -40,6 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
         self.generator = None                 # a seeded request's own RNG, made on the model's device
         self.kv_hold: str | None = None       # a transfer id: when it ends, its KV is held for a pull
+        self.spec = None                      # speculative decoding's state (backend/spec_decode.py)
         # time.monotonic() stamps, as vLLM's: arrival = reaching the engine (after tokenization)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
@@ -71,3 +72,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the last `n` output tokens of a finished sequence (a stop string ended it
+        before them: they were accepted from a draft in the same step, never generated)."""
+        if n:
+            del self.token_ids[-n:]

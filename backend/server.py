@@ -40,6 +40,7 @@ from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
 from prefixgate.backend.loader import WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
+from prefixgate.backend.spec_decode import SpecConfigError, SpeculativeConfig, parse_speculative_config
 from prefixgate.backend.timing import RequestTiming
 from prefixgate.proxy import server_timing, tracing
 from prefixgate.proxy.errors import HTTPError
@@ -516,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-timeout", type=float, default=a.kv_transfer_timeout,
                    help="seconds a prefill engine holds a prompt's KV for its pull, and a pull may take "
                    "(default %(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='prompt-lookup speculative decoding, as vLLM\'s: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                        '(also disable_by_batch_size, min_acceptance_rate)')
     p.add_argument("--log-level", default="info")
     return p
 
@@ -544,7 +549,15 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend, enforce_eager=ns.enforce_eager,
         served_model_name=ns.served_model_name[0] if ns.served_model_name else None,
         role=ns.role, kv_transfer_host=ns.kv_transfer_host, kv_transfer_port=ns.kv_transfer_port,
-        kv_transfer_timeout=ns.kv_transfer_timeout)
+        kv_transfer_timeout=ns.kv_transfer_timeout, speculative_config=speculative_config(ns))
+
+
+def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative-config` checked; ValueError names the flag and the key."""
+    try:
+        return parse_speculative_config(ns.speculative_config)
+    except SpecConfigError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import sys
 
@@ -45,9 +46,11 @@ class BundledEngines:
             for proc, url in zip(self.procs, self.urls)))
 
     def engine_args(self) -> list[str]:
-        """`bundled.args`, and the gateway's collector for the engines' own spans (their
+        """`bundled.args`, `bundled.speculative_config` as the flag, and the gateway's collector for the engines' own spans (their
         `llm_request` spans join the gateway's traces) unless the args name one."""
         args = [str(a) for a in self.cfg["args"]]
+        if self.cfg.get("speculative_config") and "--speculative-config" not in args:
+            args += ["--speculative-config", json.dumps(self.cfg["speculative_config"])]
         if self.tracing is not None and "--otlp-traces-endpoint" not in args:
             args += ["--otlp-traces-endpoint", self.tracing["otlp_endpoint"],
                      "--otlp-service-name", f"{self.tracing['service_name']}-engine"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from prefixgate.backend.spec_decode import SpecConfigError, parse_speculative_config
 from prefixgate.proxy import access_log, auth, discovery, health, pd, tracing
 from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, positive
 from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
@@ -41,6 +42,8 @@ TOP = {
         "decode": Key(int, 0, non_negative),
         "host": Key(str, "127.0.0.1"),
         "args": Key(list, list),               # extra `prefixgate backend` flags
+        # vLLM's speculative_config (prompt lookup): passed as --speculative-config
+        "speculative_config": Key(dict, None),
         "startup_timeout_s": Key((int, float), 600.0, positive),
     }),
     "model": Key(dict, dict, nested=MODEL_SINGLE),   # the single-model form of `models:`
@@ -107,6 +110,11 @@ def _bundled(cfg: dict) -> dict | None:
     b = cfg["bundled"]
     if b is None:
         return None
+    try:
+        parse_speculative_config(b["speculative_config"])
+    except SpecConfigError as e:
+        raise ConfigError("bundled.speculative_config" + (f".{e.key}" if e.key else ""),
+                          e.reason) from None
     if bool(b["prefill"]) != bool(b["decode"]):
         raise ConfigError("bundled", "prefill and decode go together (e.g. prefill: 1, "
                                      "decode: 1): a P/D pair needs both")

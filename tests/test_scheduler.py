@@ -24,7 +24,7 @@ def step(s: Scheduler):
     batch = s.schedule()
     if batch is None:
         return None
-    tokens = [len(q) % 97 if batch.samples(i) else None for i, q in enumerate(batch.seqs)]
+    tokens = [[len(q) % 97] if batch.samples(i) else [] for i, q in enumerate(batch.seqs)]
     s.update(batch, tokens)
     return batch
 
