@@ -106,8 +106,9 @@ class LLMEngine:
                                  args.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
+        config = self._scheduler_config()
         self.speculator = Speculator(args.speculative_config) if args.speculative_config else None
-        self.scheduler = Scheduler(self._scheduler_config(), self.block_manager, eos, self.speculator)
+        self.scheduler = Scheduler(config, self.block_manager, eos, self.speculator)
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
                                   num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
                                   attention_backend=args.attention_backend,
@@ -201,7 +202,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sampled = self.runner.run(batch)
+        started = time.perf_counter()
+        sampled = self.runner.run(batch)    # returns host lists: the device has finished
+        if self.speculator is not None and batch.is_decoding:
+            self.speculator.cost.observe(batch.num_tokens, time.perf_counter() - started)
         return [self._output(seq, n) for seq, n in self.scheduler.update(batch, sampled)]
 
     def _apply_queued(self) -> None:

@@ -58,12 +58,10 @@ def _spec_decode_metrics(spec: dict | None):
     acceptance length = 1 + accepted / drafts (tokens a drafted step yields)."""
     if spec is None:
         return
-    yield _counter("prefixgate:spec_decode_num_drafts", "Drafts verified (one per sequence per step).",
-                   spec["num_drafts"])
-    yield _counter("prefixgate:spec_decode_num_draft_tokens", "Draft tokens verified.",
-                   spec["num_draft_tokens"])
-    yield _counter("prefixgate:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                   spec["num_accepted_tokens"])
+    for name, doc in (("num_drafts", "Drafts verified (one per sequence per step)."),
+                      ("num_draft_tokens", "Draft tokens verified."),
+                      ("num_accepted_tokens", "Draft tokens accepted.")):
+        yield _counter("prefixgate:spec_decode_" + name, doc, spec[name])
     per_pos = CounterMetricFamily("prefixgate:spec_decode_num_accepted_tokens_per_pos",
                                   "Drafts whose token at this position (0-based) was accepted.",
                                   labels=["position"])

@@ -75,6 +75,11 @@ class ScheduledBatch:
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.num_new_tokens)
 
+    @property
+    def is_decoding(self) -> bool:
+        """Only decodes (drafted or not): no prompt chunk in this step."""
+        return all(n == 1 + len(d) for n, d in zip(self.num_new_tokens, self.drafts))
+
     def samples(self, i: int) -> bool:
         """Whether sequence i's chunk reaches its last token, so the step samples a new one."""
         seq = self.seqs[i]
@@ -165,12 +170,15 @@ class Scheduler:
     def _schedule_decodes(self, chunks: dict[Sequence, int], drafts: dict[Sequence, list[int]],
                           budget: int) -> int:
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        for seq in decoding:
+        for i, seq in enumerate(decoding):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue        # preempted a moment ago
-            draft = self._draft(seq, len(decoding), budget)
+            # A draft gets only the budget that the decodes after this one do not need (one
+            # token each), as it gets only spare blocks: else early sequences' drafts could
+            # fill a small budget step after step and leave later decodes waiting.
+            draft = self._draft(seq, len(decoding), budget - (len(decoding) - i - 1))
             while not self.bm.allocate(seq, seq.num_computed_tokens + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -215,7 +223,7 @@ class Scheduler:
         grant[oldest] = min(left[oldest], self.config.long_prefill_token_threshold, budget)
         budget -= grant[oldest]
         finishing = int(grant[oldest] == left[oldest])
-        fixed = self._fixed_tokens(len(chunks) + (0 if finishing else grant[oldest]))
+        fixed = self._fixed_tokens(sum(chunks.values()) + (0 if finishing else grant[oldest]))
         order = sorted(candidates, key=lambda s: left[s] - grant[s])   # stable: ties FCFS
         for i, seq in enumerate(order):
             need = left[seq] - grant[seq]

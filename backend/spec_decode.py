@@ -9,12 +9,20 @@ prefix plus one token of the target's own are kept. No extra model, nothing to l
 where answers quote their inputs (RAG, code edits, agents re-reading tool output) or loop.
 
 A draft costs compute whether or not it is accepted, so it is skipped (the step decodes plainly)
-- for every sequence while the running batch is larger than `disable_by_batch_size` (vLLM's
-  key): a full batch already keeps the hardware busy, so verifying guesses only adds work;
+- for every sequence while more than `disable_by_batch_size` sequences decode (vLLM's key);
 - for a sequence whose recent acceptance rate (a moving average of accepted/drafted, per draft)
-  fell below `min_acceptance_rate`: it pauses for a few steps, twice as many each time it fails
-  again, then one draft probes whether its text has started quoting.
-Defaults are from `python -m prefixgate.backend.bench_spec_decode` (README: speculative decoding).
+  is under the bar: `min_acceptance_rate`, or this machine's break-even rate at this batch size
+  if higher. A draft token lengthens the whole batch's step, and wins a token only if accepted.
+  The engine times its decode steps and fits step time = a + c * tokens (`StepCost`, recent
+  steps weigh most): with B decodes a draft token costs c / (a + c * B) of a step that yields B
+  tokens, so drafts pay above an acceptance rate of B * c / (a + c * B). On the 2-core CPU of
+  the README's figures that is ~0.05 at batch 1, ~0.45 at batch 16; on a GPU, where a small
+  batch's step costs about the same whatever its tokens, it stays near 0 until the batch fills it.
+  A sequence's first draft is a probe (its average starts at the bar). Under the bar, the
+  sequence skips its next 4 drafts (it finds the n-gram but does not draft), twice as many each
+  time it fails again, then one draft probes whether its text has started quoting. Drafts, not
+  steps: in free text matches are rare, and a pause counted in steps would end before the next.
+Defaults: `python -m prefixgate.backend.bench_spec_decode --sweep` (README: speculative decoding).
 
 Pure Python (no torch): the gateway validates `bundled.speculative_config` with it.
 """
@@ -24,15 +32,18 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram",)
-# Defaults, from the benchmark on a 2-core CPU (README): at batch 32 a step costs about twice
-# one at batch 1, and drafts for every sequence would double it again, so beyond 32 they cost
-# more than an acceptance length of ~3 gives back; 0.25 accepted per drafted token is where a
-# draft of 5 at batch 16 stops paying for its verification.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
-DEFAULT_MIN_ACCEPTANCE_RATE = 0.25
+# Defaults, from `bench_spec_decode --sweep` on the README's 2-core CPU: drafting quoted text
+# still paid at batch 64 (1.18x), so no batch cap (vLLM's default too) — the break-even bar
+# already rises with the batch; free text broke even at an acceptance rate of 0.06 at batch 1,
+# the floor sits just above it for the steps before the cost fit has seen drafted steps.
+DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 _RATE_WEIGHT = 0.5              # the newest draft's share of the moving average
-_FIRST_PAUSE, _MAX_PAUSE = 4, 256   # decode steps a sequence skips drafting after failing
+_FIRST_PAUSE, _MAX_PAUSE = 4, 256   # drafts a sequence skips after failing
 _MAX_CANDIDATES = 64            # earlier occurrences of the n-gram examined per draft
+_COST_DECAY = 0.995             # per step: the cost fit remembers ~200 recent decode steps
+_COST_MIN_STEPS = 8.0           # weight of steps seen before the fit is trusted
+_COST_MAX_RISE = 1.25           # a step counts at most this times what the standing fit predicts
 
 
 class SpecConfigError(ValueError):
@@ -48,7 +59,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE     # None: no cap
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
     method: str = "ngram"
 
@@ -75,15 +86,20 @@ def parse_speculative_config(raw: str | dict | None) -> SpeculativeConfig | None
     if "num_speculative_tokens" not in raw:
         raise SpecConfigError("num_speculative_tokens", "is required (the draft length, e.g. 5)")
     lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
-    if lo is None and hi is None:
-        lo = hi = 5                     # vLLM's defaults
-    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
     values = {"num_speculative_tokens": raw["num_speculative_tokens"], "prompt_lookup_min": lo,
               "prompt_lookup_max": hi,
               "disable_by_batch_size": raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)}
+    # Check the values as given, before a missing lookup bound is copied from the other one:
+    # a bad prompt_lookup_max given alone must be reported as prompt_lookup_max, not _min.
     for key, value in values.items():
+        if value is None and key != "num_speculative_tokens":     # not given: a default follows
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SpecConfigError(key, f"must be a positive integer, got {value!r}")
+    if lo is None and hi is None:
+        lo = hi = 5                     # vLLM's defaults
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    values["prompt_lookup_min"], values["prompt_lookup_max"] = lo, hi
     if lo > hi:
         raise SpecConfigError("prompt_lookup_min", f"{lo} is more than prompt_lookup_max ({hi})")
     rate = raw.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
@@ -136,15 +152,55 @@ def propose(tokens: list[int], index: NgramIndex, max_n: int, k: int) -> list[in
     return draft
 
 
+class StepCost:
+    """Decode step time as a + c * tokens, fitted by least squares over recent steps (each
+    step's weight decays by `_COST_DECAY` per newer one): what a draft token costs.
+
+    Once the fit stands, a step counts at most 1.25 times the time it predicts: steps stalled by
+    another process (10x their time on a busy CPU, often several in a row) must not flip the
+    fit; stalls only ever slow steps, so faster ones count in full, and a real rise of cost
+    still moves the fit, a little per step."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5           # weighted sums of 1, n, t, n*n, n*t
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        n, t = float(num_tokens), seconds
+        fit = self.fit()
+        if fit is not None and (predicted := fit[0] + fit[1] * n) > 0:
+            t = min(t, predicted * _COST_MAX_RISE)
+        self.sums = [s * _COST_DECAY + x for s, x in zip(self.sums, (1.0, n, t, n * n, n * t))]
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, c): seconds per step and per token; None until steps of different sizes
+        have been seen."""
+        w, n, t, nn, nt = self.sums
+        spread = w * nn - n * n
+        if w < _COST_MIN_STEPS or spread <= 1e-9 * w * w:
+            return None
+        c = (w * nt - n * t) / spread
+        return (t - c * n) / w, c
+
+    def break_even(self, batch_size: int) -> float:
+        """The acceptance rate above which a draft pays in a batch of `batch_size` decodes
+        (0 while there is no fit)."""
+        fit = self.fit()
+        if fit is None or fit[1] <= 0:
+            return 0.0                  # no fit yet, or more tokens cost nothing measurable
+        a, c = max(fit[0], 0.0), fit[1]
+        return batch_size * c / (a + c * batch_size)
+
+
 class _SeqState:
     """One sequence's n-gram index and its recent acceptance."""
-    __slots__ = ("index", "rate", "pause", "skip")
+    __slots__ = ("index", "rate", "bar", "pause", "skip")
 
     def __init__(self, n: int):
         self.index = NgramIndex(n)
-        self.rate = 1.0                 # moving average of accepted / drafted
-        self.pause = _FIRST_PAUSE       # steps to skip after the next failure
-        self.skip = 0                   # steps left to skip now
+        self.rate: float | None = None  # moving average of accepted / drafted; None: no draft yet
+        self.bar = 0.0                  # the rate its last draft had to reach
+        self.pause = _FIRST_PAUSE       # drafts to skip after the next failure
+        self.skip = 0                   # drafts left to skip now
 
 
 class Speculator:
@@ -152,25 +208,40 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.cost = StepCost()          # fed by the engine with its decode steps' times
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
+    def bar(self, batch_size: int) -> float:
+        """The acceptance rate a draft must reach in a batch of `batch_size` decodes."""
+        return max(self.config.min_acceptance_rate, self.cost.break_even(batch_size))
+
     def draft(self, seq, batch_size: int, room: int) -> list[int]:
         """The draft for `seq`'s next step in a batch of `batch_size` decodes; at most `room`
         tokens (what its max_tokens, the context and the step's budget leave)."""
         cfg = self.config
-        if room < 1 or batch_size > cfg.disable_by_batch_size:
+        cap = cfg.disable_by_batch_size
+        if room < 1 or (cap is not None and batch_size > cap):
             return []
         state = seq.spec
         if state is None:
             state = seq.spec = _SeqState(cfg.prompt_lookup_min)
+        draft = propose(seq.token_ids, state.index, cfg.prompt_lookup_max,
+                        min(room, cfg.num_speculative_tokens))
+        if not draft:
+            return []
         if state.skip:
             state.skip -= 1
             return []
-        return propose(seq.token_ids, state.index, cfg.prompt_lookup_max,
-                       min(room, cfg.num_speculative_tokens))
+        state.bar = self.bar(batch_size)
+        if state.rate is None:
+            state.rate = state.bar      # the first draft is a probe
+        elif state.rate < state.bar:    # the batch grew since its last draft: no longer pays
+            self._pause(state)
+            return []
+        return draft
 
     def record(self, seq, num_drafted: int, num_accepted: int) -> None:
         """A verified draft: count it, and pause a sequence whose drafts keep failing."""
@@ -181,9 +252,13 @@ class Speculator:
             self.accepted_per_pos[pos] += 1
         state = seq.spec
         state.rate += _RATE_WEIGHT * (num_accepted / num_drafted - state.rate)
-        if state.rate >= self.config.min_acceptance_rate:
+        if state.rate >= state.bar:
             state.pause = _FIRST_PAUSE
-            return
+        else:
+            self._pause(state)
+
+    @staticmethod
+    def _pause(state: _SeqState) -> None:
         state.skip = state.pause
         state.pause = min(state.pause * 2, _MAX_PAUSE)
-        state.rate = self.config.min_acceptance_rate    # the probe after the pause decides
+        state.rate = state.bar          # the probe after the pause decides
