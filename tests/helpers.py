@@ -1,7 +1,11 @@
 """Small client-side helpers shared by tests."""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import signal
+import sys
 import time
 
 import aiohttp
@@ -31,3 +35,40 @@ def assert_openai_error(payload: dict, status: int, resp_status: int) -> None:
     assert set(payload) == {"error"}, payload
     assert {"message", "type", "code"} <= set(payload["error"]), payload
     assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
+
+
+class Serving:
+    """`prefixgate serve ARGS` in a child process; its URL (and the whole line, which names the
+    bundled engines) read from the "listening on" line. On exit: SIGTERM, and exit status 0."""
+
+    def __init__(self, *args, env: dict | None = None, timeout: float = 20):
+        self.args, self.env, self.timeout = args, env, timeout
+        self.output: list[str] = []
+
+    async def __aenter__(self):
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prefixgate.proxy.cli", "serve", *self.args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env)
+        try:
+            while True:
+                line = (await asyncio.wait_for(self.proc.stdout.readline(), self.timeout)).decode()
+                assert line, "serve exited: " + "".join(self.output)
+                self.output.append(line)
+                if m := re.search(r"gateway listening on (http://\S+)", line):
+                    self.url, self.line = m.group(1), line
+                    return self
+        except BaseException:
+            if self.proc.returncode is None:
+                self.proc.kill()
+            await self.proc.wait()
+            raise
+
+    async def __aexit__(self, *exc):
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rest = (await asyncio.wait_for(self.proc.communicate(), 30))[0].decode()
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            raise
+        assert self.proc.returncode == 0, "".join(self.output) + rest

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+
+from helpers import Serving
 
 STANDALONE = yaml.safe_load((Path(__file__).parent.parent / "conf" / "standalone.yaml")
                             .read_text())
@@ -119,31 +119,6 @@ def test_a_missing_model_dir_fails_at_start_up_naming_it(tmp_path):
     (tmp_path / "gw.yaml").write_text("upstreams: []\n")
     proc = run_cli(str(tmp_path / "gw.yaml"))
     assert proc.returncode == 2 and f"did you mean --config {tmp_path / 'gw.yaml'}" in proc.stderr
-
-
-class Serving:
-    """`prefixgate serve ARGS` in a child process; its URL read from the "listening on" line."""
-
-    def __init__(self, *args):
-        self.args = args
-        self.output: list[str] = []
-
-    async def __aenter__(self):
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "prefixgate.proxy.cli", "serve", *self.args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        while True:
-            line = (await asyncio.wait_for(self.proc.stdout.readline(), 20)).decode()
-            assert line, "serve exited: " + "".join(self.output)
-            self.output.append(line)
-            if m := re.search(r"gateway listening on (http://\S+)", line):
-                self.url = m.group(1)
-                return self
-
-    async def __aexit__(self, *exc):
-        self.proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(self.proc.communicate(), 15)
-        assert self.proc.returncode == 0, "".join(self.output)
 
 
 async def chat(session, url, content, delay=0.0):
