@@ -213,7 +213,8 @@ def test_fp8_rounding_matches_torch_on_every_code_point(device):
 
 def test_gpu_benchmark_script_runs_its_cpu_smoke(tmp_path):
     """The GPU benchmark must not be dead code where no GPU is lent: its tiny interpreter run
-    exercises every section (decode, prefill, engine end to end) and writes the JSON."""
+    exercises every section (decode, prefill, engine end to end, speculative decoding) and
+    writes the JSON."""
     import json
     import subprocess
     import sys
@@ -227,3 +228,6 @@ def test_gpu_benchmark_script_runs_its_cpu_smoke(tmp_path):
     e2e = res["e2e"]
     assert e2e["kernels_cuda_graphs"]["output_tokens"] == e2e["reference_eager"]["output_tokens"] > 0
     assert e2e["throughput_ratio"] > 0
+    spec = res["spec"]
+    assert {(c["workload"], c["batch"]) for c in spec["cells"]} == {(w, b) for w in ("quoting", "free") for b in (1, 16)}
+    assert all(c["ratio"] > 0 and c["spec"]["decode_tok_per_s"] > 0 for c in spec["cells"])

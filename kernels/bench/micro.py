@@ -7,6 +7,8 @@ Measures, with baselines timed in the same run:
            causal TFLOP/s vs torch SDPA (lower-right causal mask, contiguous KV)
   e2e      engine tokens/s and TTFT on a ~0.5B Qwen2-shaped random model, Triton + CUDA graphs vs
            the reference path (see e2e.py)
+  spec     prompt-lookup speculative decoding vs plain decoding (backend/bench_spec_decode.py's
+           core): decode tok/s and TPOT p50 at batch 1 and 16, quoting and free workloads (spec.py)
 Prints medians, saves JSON (--json). `--cpu-smoke` runs tiny shapes through the Triton
 interpreter on CPU so the script itself stays tested where no GPU is lent.
 """
@@ -145,7 +147,7 @@ def bench_prefill(a, device) -> list[dict]:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m prefixgate.kernels.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="decode,prefill,e2e", help="comma list of: decode, prefill, e2e")
+    p.add_argument("--only", default="decode,prefill,e2e,spec", help="comma list of: decode, prefill, e2e, spec")
     p.add_argument("--json", default=None, help="write results + config here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
@@ -165,12 +167,16 @@ def parse_args(argv):
                    help="requests for the reference-path run (same seed, a prefix of the workload)")
     p.add_argument("--e2e-min-len", type=int, default=100)
     p.add_argument("--e2e-max-len", type=int, default=1024)
+    p.add_argument("--spec-model", default="demo", help="spec part: demo, qwen2 (e2e's random 0.5B shape) or a model dir")
+    p.add_argument("--spec-batches", default="1,16")
+    p.add_argument("--spec-rounds", type=int, default=5)
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.heads, a.kv_heads, a.head_dim, a.batch, a.iters = 4, 2, 32, 2, 2
         a.contexts, a.prefill_contexts, a.prefill_tokens, a.ref_max_context = "48", "64", 64, 64
         a.e2e_requests = a.e2e_baseline_requests = 3
         a.e2e_min_len, a.e2e_max_len = 4, 12
+        a.spec_rounds = 1
         a.dtype = "float32"
     a.dtype = getattr(torch, a.dtype)
     a.kv_dtypes = a.kv_dtypes.split(",")
@@ -203,6 +209,10 @@ def main(argv=None) -> int:
     if "e2e" in a.only:
         from prefixgate.kernels.bench.e2e import bench_e2e
         results["e2e"] = bench_e2e(a, device)
+    if "spec" in a.only:
+        from prefixgate.kernels.bench.spec import bench_spec
+        torch.cuda.empty_cache() if device == "cuda" else None
+        results["spec"] = bench_spec(a, device)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
