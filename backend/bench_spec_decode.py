@@ -34,8 +34,9 @@ Targets: (a) quoting, batch 1: speed-up >= 1.8x where the mean acceptance length
 `--sweep` turns the gates off (disable_by_batch_size huge, min_acceptance_rate 0, no
 break-even bar from the engine's step-cost fit) and runs
 batches 1,4,16,32,64: where quoting stops paying bounds `disable_by_batch_size`; what free
-generation costs there, and the acceptance rate where drafting breaks even (on the line between
-the two workloads' points), is what `min_acceptance_rate` must guard against. `--quick` is a
+generation costs there is what the bar must prevent, and the acceptance rate where drafting
+breaks even (on the line between the two workloads' points) is what the engine's fitted bar
+should track at that batch (`min_acceptance_rate` is its floor). `--quick` is a
 tiny smoke run. `--out FILE` saves config, per-cell medians, ratios and acceptance figures as
 JSON. On a 2-core CPU the default run takes ~1-2 minutes, `--sweep` ~4.
 """
@@ -393,8 +394,8 @@ def _report_sweep(summary: dict) -> None:
     top = summary["largest_batch_quoting_pays"]
     print(f"  disable_by_batch_size: quoting still pays up to batch {top} here (largest batch run: "
           f"{max(summary['by_batch'], default=0)})" if top else "  disable_by_batch_size: quoting pays at no batch run")
-    print("  min_acceptance_rate: free generation's ratio is what drafting costs without it; the break-even "
-          "rate (linear between the two workloads) is where it belongs at that batch")
+    print("  the bar: free generation's ratio is what drafting costs without it; the break-even rate (linear "
+          "between the two workloads) is what the engine's fitted bar should track at that batch")
 
 
 def parse_args(argv=None):
