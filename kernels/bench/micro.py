@@ -211,7 +211,8 @@ def main(argv=None) -> int:
         results["e2e"] = bench_e2e(a, device)
     if "spec" in a.only:
         from prefixgate.kernels.bench.spec import bench_spec
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if device == "cuda":
+            torch.cuda.empty_cache()
         results["spec"] = bench_spec(a, device)
     if a.json:
         with open(a.json, "w") as f:

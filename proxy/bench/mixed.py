@@ -24,8 +24,8 @@ from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, stream_once
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
 from prefixgate.proxy.bench.stats import fmt
-from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, measure,
-                                           request_body, run_demo_scenario, start_engines)
+from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
+                                           measure, request_body, run_demo_scenario, start_engines)
 from prefixgate.proxy.server import start_app
 
 LAYOUTS = {"mixed": ["both", "both"], "pd": ["prefill", "decode"]}
@@ -51,11 +51,7 @@ class MixedWorkload:
 
 
 def parse_workload(args) -> MixedWorkload:
-    w = MixedWorkload()
-    for attr, value in (("long_requests", args.requests), ("seed", args.seed),
-                        ("rounds", args.rounds)):
-        if value is not None:
-            setattr(w, attr, value)
+    w = given(MixedWorkload(), long_requests=args.requests, seed=args.seed, rounds=args.rounds)
     if args.concurrency:
         w.decoders = args.concurrency[0]
     if args.rate:

@@ -38,8 +38,8 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import fmt, reduction, summarize
-from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, measure,
-                                           request_body, run_demo_scenario, start_engines)
+from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
+                                           measure, request_body, run_demo_scenario, start_engines)
 from prefixgate.proxy.doctor import metrics as pm
 from prefixgate.proxy.server import start_app
 
@@ -158,12 +158,8 @@ def parse_workload(args) -> Workload:
     w = Workload()
     if args.quick:
         w.requests, w.rounds = 30, 1
-    for attr, value in (("requests", args.requests), ("warmup", args.warmup),
-                        ("max_tokens", args.max_tokens), ("seed", args.seed),
-                        ("rounds", args.rounds), ("policy", args.policy),
-                        ("think_ms", args.think_ms)):
-        if value is not None:
-            setattr(w, attr, value)
+    w = given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
+              seed=args.seed, rounds=args.rounds, policy=args.policy, think_ms=args.think_ms)
     if args.concurrency:
         w.concurrency = args.concurrency[0]
     if args.tiers:

@@ -4,6 +4,7 @@ cell of requests into an archive record."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 from typing import Callable
@@ -131,6 +132,11 @@ def engines_config(engines, roles: list[str], plugins: list, timeout: float) -> 
     if "prefill" in roles:
         raw["pd"] = {"protocol": "prefixgate"}
     return raw
+
+
+def given(workload, **flags):
+    """`workload` (a dataclass) with the flags the user gave (not None) in place of its defaults."""
+    return dataclasses.replace(workload, **{k: v for k, v in flags.items() if v is not None})
 
 
 def run_demo_scenario(args, run, report) -> int:
