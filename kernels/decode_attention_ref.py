@@ -8,6 +8,8 @@ fp32 accumulation whatever the cache dtype.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -64,11 +66,22 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
     if rows == length:          # no cached prefix: plain causal, which lets SDPA skip masked tiles
         kw["is_causal"] = True
     elif rows > 1:              # a single query is the last position and sees every key: no mask
-        pos = torch.arange(length - rows, length, device=q.device)
-        kw["attn_mask"] = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        kw["attn_mask"] = end_aligned_causal_mask(rows, length, q.device)
     o = sdpa(q[None, skip:].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale, **kw)
     out[skip:] = o[0].transpose(0, 1)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def end_aligned_causal_mask(rows: int, length: int, device: torch.device) -> torch.Tensor:
+    """Additive float32 mask [rows, length]: row i (position length - rows + i) sees keys <= it.
+
+    Cached because every layer of a step asks for the same shapes: building it (and SDPA
+    converting a bool mask) cost ~1 ms per layer of a 512-token chunk over a 2k-token prefix.
+    """
+    pos = torch.arange(length - rows, length, device=device)
+    visible = torch.arange(length, device=device)[None, :] <= pos[:, None]
+    return torch.zeros(rows, length, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def length_groups(lens: list[int], pad_rows: int = PAD_ROWS) -> list[list[int]]:
