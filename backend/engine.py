@@ -3,7 +3,9 @@
 `LLMEngine` is synchronous: `step()` applies queued adds and aborts, schedules, runs the
 model, samples, detokenizes and checks stop strings. `AsyncEngine` drives it from asyncio,
 running each step in one worker thread so the event loop keeps serving HTTP while the model
-computes, and hands every request its outputs through its own queue.
+computes, and hands every request its outputs through its own queue. Before its first step
+it runs the warm-up on that thread (`LLMEngine.warm_up`, backend/warmup.py); requests
+queued meanwhile wait for it, and `ready` tells when it is done.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
                                              parse_bytes)
@@ -24,6 +27,7 @@ from prefixgate.backend.sampling import SamplingParams, find_stop_string
 from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
 from prefixgate.backend.spec_decode import SpeculativeConfig, Speculator
+from prefixgate.backend.warmup import WarmupError, WarmupReport, warm_up
 from prefixgate.proxy.server import cancel_and_wait
 
 log = logging.getLogger("prefixgate.engine")
@@ -37,6 +41,7 @@ class EngineArgs:
     model: str = "demo"
     dtype: str | None = None
     device: str = "auto"
+    load_format: str = "mmap"                    # mmap | eager: how weights are read (backend/loader.py)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str | int | None = None     # bytes, or a size such as "2GiB"
@@ -56,6 +61,8 @@ class EngineArgs:
     kv_transfer_port: int = 0                    # 0: a free port
     kv_transfer_timeout: float = 30.0            # seconds held blocks wait for their pull
     speculative_config: SpeculativeConfig | None = None   # prompt-lookup drafts (backend/spec_decode.py)
+    kv_offloading_size: float | None = None      # GiB of second KV tier (backend/kv_tier.py); None/0: off
+    kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
 
 
 @dataclass
@@ -92,10 +99,12 @@ class LLMEngine:
         from prefixgate.backend.tokenizer import IncrementalDecoder, Tokenizer
 
         self.args = args
+        kv_tier.check_args(args.kv_offloading_size, args.kv_offloading_path, args.enable_prefix_caching)
         self.model_dir = _resolve_model_dir(args.model)
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=self.device)
+        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=self.device,
+                                                   load_format=args.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self._decoder_cls = IncrementalDecoder
         self.served_model_name = args.served_model_name or (
@@ -114,12 +123,27 @@ class LLMEngine:
                                   attention_backend=args.attention_backend,
                                   use_cuda_graphs=not args.enforce_eager, max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.max_model_len)
+        self.kv_tier = self.block_manager.tier = self._kv_tier()
         self.requests: dict[str, _Request] = {}
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()
         self._releases: deque[str] = deque()       # transfer ids whose held KV blocks to free
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_dir, self.device, num_blocks, args.block_size, self.max_model_len)
+        log.info("engine ready: %s on %s (weights: %s), %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_dir, self.device, args.load_format, num_blocks, args.block_size,
+                 self.max_model_len)
+
+    def _kv_tier(self) -> kv_tier.KVTier | None:
+        a = self.args
+        if not a.kv_offloading_size:
+            return None
+        return kv_tier.KVTier(self.runner.kv_caches, a.block_size, a.kv_offloading_size, a.kv_offloading_path)
+
+    def close(self) -> None:
+        """Let the second KV tier go (waits for its queued stores); the engine then runs without it."""
+        tier, self.kv_tier = self.kv_tier, None
+        self.block_manager.tier = None
+        if tier is not None:
+            tier.close()
 
     def _kv_dtype(self) -> torch.dtype:
         name = self.args.kv_cache_dtype
@@ -184,7 +208,17 @@ class LLMEngine:
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
                 "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
                 "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
-                "kv_held_blocks": s.num_held_blocks}
+                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats()}
+
+    def _kv_tier_stats(self) -> dict:
+        """The second KV tier's counters and usage; none when it is off."""
+        tier = self.kv_tier
+        if tier is None:
+            return {}
+        t = tier.stats
+        return {"kv_offload_usage": tier.usage(), "kv_offload_stored_blocks": t.stored_blocks,
+                "kv_offload_loaded_blocks": t.loaded_blocks, "kv_offload_hit_tokens": t.hit_tokens,
+                "kv_offload_corrupted_blocks": t.corrupted_blocks}
 
     def spec_stats(self) -> dict | None:
         """Speculative decoding's counters (vLLM's), or None when it is off."""
@@ -196,6 +230,10 @@ class LLMEngine:
                 "num_accepted_tokens_per_pos": list(sp.accepted_per_pos)}
 
     # --- called from the worker thread -------------------------------------------------------
+
+    def warm_up(self) -> WarmupReport:
+        """Run every batch shape once before serving, leaving no trace (backend/warmup.py)."""
+        return warm_up(self)
 
     def step(self) -> list[RequestOutput]:
         self._apply_queued()
@@ -309,8 +347,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, warm_up: bool = True):
         self.engine = engine
+        self.warm_up = warm_up           # False: serve at once (--skip-server-warmup)
+        self.warmup_report: WarmupReport | None = None
+        self._warmup: asyncio.Task | None = None
         self._streams: dict[str, RequestStream] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-engine")
         self._wake = asyncio.Event()
@@ -320,9 +361,40 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            loop = asyncio.get_running_loop()
+            self._warmup = loop.create_task(self._warm_up())
+            self._task = loop.create_task(self._loop())
+
+    @property
+    def status(self) -> str:
+        """"ok" once the warm-up has run (or is skipped); "warming up"; "warm-up failed"."""
+        w = self._warmup
+        if w is None or not w.done():
+            return "warming up"
+        return "ok" if not w.cancelled() and w.exception() is None else "warm-up failed"
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ok"
+
+    async def wait_ready(self) -> None:
+        """Return once the warm-up has run; WarmupError if it failed."""
+        self.start()
+        await asyncio.shield(self._warmup)
+
+    async def _warm_up(self) -> None:
+        if not self.warm_up:
+            return
+        try:
+            self.warmup_report = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.warm_up)
+        except Exception as e:      # a shape the engine is configured for cannot run (OOM ...)
+            log.error("warm-up failed", exc_info=True)
+            raise WarmupError(f"warm-up failed: {e}") from e
 
     async def stop(self) -> None:
+        if self._warmup is not None:
+            self._warmup.cancel()       # (the thread finishes its warm-up; shutdown waits for it)
         await cancel_and_wait(self._task)
         self._task = None
         self._executor.shutdown(wait=True)
@@ -368,6 +440,10 @@ class AsyncEngine:
         self.start()
 
     async def _loop(self) -> None:
+        try:
+            await self._warmup      # steps only after it: warm-up and requests never mix
+        except WarmupError:
+            return                  # nothing is served; wait_ready() raises it to the starter
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_work():

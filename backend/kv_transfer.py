@@ -459,7 +459,7 @@ async def _read_into(reader: asyncio.StreamReader, out) -> None:
 
 def _reserve(bm, seq: Sequence) -> bool:
     """On the engine thread: blocks for the whole prompt, starting from this engine's own cached
-    prefix (those need no pull)."""
+    prefix, in its KV cache or second tier (those need no pull)."""
     return bm.allocate(seq, len(seq), bm.match_prefix(seq))
 
 

@@ -8,6 +8,18 @@ Weights are treated as download-locked assets. Before a single tensor is read:
   * every tensor name and shape is compared with the model built from config.json.
 Any problem raises `WeightError` naming the shard or tensor; no parameter is ever left at random
 init (the model is built on the meta device, so an unassigned one could not even run).
+
+Load formats (`--load-format`, as vLLM's flag; our values):
+  * mmap (default): each shard is memory-mapped and tensors are views of the mapping
+    (private, copy-on-write, never written). On CPU, where the checkpoint's dtype is the one
+    served, the weights stay file-backed: start-up reads no weights (beyond a sha256
+    manifest's check), pages fault in on first use and live in the page cache, shared by
+    every process serving the same files. A dtype conversion, or a copy to the GPU, reads the
+    mapping once into new memory instead.
+  * eager: each shard is read whole with read() and deserialized from those bytes, so every
+    byte is in process (or GPU) memory before the engine is built (llama.cpp's --no-mmap): no
+    page faults on the first requests, nothing the kernel can drop under memory pressure.
+    Host memory peaks at the weights plus one shard (the bytes and their tensors).
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors_bytes
 
 from prefixgate.backend.models import ConfigError, LlamaConfig, build_model
 
@@ -30,6 +43,7 @@ MANIFEST_NAMES = ("SHA256SUMS", "manifest.sha256")
 _MANIFEST_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 # Tensors some exporters add that carry no weights we need.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+LOAD_FORMATS = ("mmap", "eager")    # proxy/config.py lists them too (it must not import torch)
 
 
 class WeightError(Exception):
@@ -203,8 +217,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: LlamaConfig, device: 
     return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
 
 
-def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu"):
-    """(model in eval mode on `device`, config). Raises WeightError or ConfigError."""
+def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "cpu",
+               load_format: str = "mmap"):
+    """(model in eval mode on `device`, config); `load_format` is mmap or eager (module doc).
+    Raises WeightError or ConfigError."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     model_dir = Path(model_dir)
     config = LlamaConfig.from_dir(model_dir)
     files, weight_map, problems = weight_files(model_dir)
@@ -221,17 +239,31 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
         model = build_model(config)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     _raise_if(check_tensors(expected, found, config))
+    read_shard = _read_mapped if load_format == "mmap" else _read_eagerly
     state = {}
-    for path in files:  # one shard open at a time; tensors go straight to the target device
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name in expected:
-                    state[name] = f.get_tensor(name).to(torch_dtype)
+    for path in files:  # one shard at a time; tensors go straight to the target device
+        for name, tensor in read_shard(path, device):
+            if name in expected:
+                state[name] = tensor.to(torch_dtype)    # no copy when the dtype is already right
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the non-persistent RoPE buffer
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     _raise_if([f"tensor {n} was never loaded" for n in still_meta])
     return model.eval().requires_grad_(False), config
+
+
+def _read_mapped(path: Path, device: torch.device):
+    """(name, tensor) of a shard through safetensors' mmap: on CPU, views of the mapping."""
+    with safe_open(path, framework="pt", device=str(device)) as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _read_eagerly(path: Path, device: torch.device):
+    """(name, tensor) of a shard read whole into memory first: tensors own their bytes."""
+    tensors = load_safetensors_bytes(path.read_bytes())    # the file's bytes are freed here
+    for name in list(tensors):
+        yield name, tensors.pop(name).to(device)    # a CPU copy goes as soon as it is on the GPU
 
 
 def write_manifest(model_dir: str | Path) -> Path:

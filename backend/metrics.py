@@ -37,6 +37,7 @@ class _EngineCollector:
         yield _gauge("prefixgate:kv_transfer_held_blocks",
                      "KV blocks held for a decode engine's pull (prefill side).", s["kv_held_blocks"])
         yield from _spec_decode_metrics(self.engine.spec_stats())
+        yield from _kv_offload_metrics(s)
         kv = self.kv
         if kv is None:
             return
@@ -68,6 +69,20 @@ def _spec_decode_metrics(spec: dict | None):
     for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
         per_pos.add_metric([str(pos)], n)
     yield per_pos
+
+
+def _kv_offload_metrics(s: dict):
+    """The second KV tier's (backend/kv_tier.py), when it is on; counters get `_total` on
+    exposition (prefixgate:kv_offload_stored_blocks_total ...)."""
+    if "kv_offload_usage" not in s:
+        return
+    yield _gauge("prefixgate:kv_offload_usage_perc", "Fraction of second KV tier slots in use (0..1).",
+                 s["kv_offload_usage"])
+    for name, doc in (("stored_blocks", "KV blocks copied into the second tier."),
+                      ("loaded_blocks", "KV blocks loaded back from the second tier on a prefix hit."),
+                      ("hit_tokens", "Prompt tokens served from the second tier."),
+                      ("corrupted_blocks", "Second tier blocks that failed their checksum (recomputed).")):
+        yield _counter("prefixgate:kv_offload_" + name, doc, s["kv_offload_" + name])
 
 
 def _gauge(name, doc, value):

@@ -105,8 +105,9 @@ class _InFlightBlocks:
 
     def wait(self, seq: Sequence) -> bool:
         """Whether `seq` should wait for a twin; if not, its blocks count as in flight."""
-        i = len(self.bm.match_prefix(seq))              # also hashes seq's full blocks
-        self.cached_tokens[seq] = i * self.bm.block_size
+        match = self.bm.match_prefix(seq)               # also hashes seq's full blocks
+        i = match.num_blocks                            # the second KV tier's hits count too
+        self.cached_tokens[seq] = match.num_tokens
         if not self.bm.enable_prefix_caching:
             return False
         if i < len(seq.block_hashes) and seq.block_hashes[i] in self.hashes:
@@ -262,8 +263,10 @@ class Scheduler:
         cached prefix (matched again here: blocks taken a moment ago may have evicted some)."""
         if seq.status is SequenceStatus.RUNNING:
             return self.bm.allocate(seq, seq.num_computed_tokens + n)
-        cached = self.bm.match_prefix(seq)
-        if not self.bm.allocate(seq, len(cached) * self.bm.block_size + n, cached):
+        match = self.bm.match_prefix(seq)
+        # a tier block that fails its checksum leaves fewer tokens computed than matched: the
+        # chunk then ends short of the prompt's end and the rest follows next step
+        if not self.bm.allocate(seq, match.num_tokens + n, match):
             return False
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
@@ -290,15 +293,15 @@ class Scheduler:
             seq = self.waiting[0]
             if twins.wait(seq):
                 break       # the next step finds its prefix cached
-            cached = self.bm.match_prefix(seq)
-            remaining = len(seq) - len(cached) * self.bm.block_size
+            match = self.bm.match_prefix(seq)
+            remaining = len(seq) - match.num_tokens
             if remaining > budget and len(chunks) > num_prefills:
                 break       # whole prompts only; an oversize one waits to be the step's only prefill
             taken = len(chunks) - num_prefills
             if taken and not self._worth_adding(remaining, remaining, taken, len(self.waiting),
                                                 fixed):
                 break
-            if not self.bm.allocate(seq, len(cached) * self.bm.block_size + remaining, cached):
+            if not self.bm.allocate(seq, match.num_tokens + remaining, match):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -18,6 +18,13 @@ backend/kv_transfer.py).
 
 Every answer carries a `Server-Timing` header (tokenize, queue, prefill, decode: see
 backend/timing.py); with `--otlp-traces-endpoint` each request is also an `llm_request` span.
+
+Warm-up (backend/warmup.py): the server listens as soon as the engine is built, and until the
+warm-up has run `/health` answers 503 `{"status": "warming up"}` and the generation endpoints
+answer an OpenAI-shaped 503 (code `warming_up`, `Retry-After: 1`) rather than queueing behind
+it: a client or gateway can retry elsewhere at once, and no request shares the engine with the
+warm-up, whose counters and cache are put back as they were. `--skip-server-warmup` (SGLang's
+flag) serves at once.
 """
 from __future__ import annotations
 
@@ -37,11 +44,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixgate.backend import kv_transfer
 from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
-from prefixgate.backend.loader import WeightError
+from prefixgate.backend.loader import LOAD_FORMATS, WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.spec_decode import SpecConfigError, SpeculativeConfig, parse_speculative_config
 from prefixgate.backend.timing import RequestTiming
+from prefixgate.backend.warmup import WarmupError
 from prefixgate.proxy import server_timing, tracing
 from prefixgate.proxy.errors import HTTPError
 from prefixgate.proxy.server import json_errors_middleware, parse_json_object, run_on_uvloop, start_app
@@ -154,7 +162,14 @@ class EngineServer:
         return body
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        status = self.engine.status        # ok | warming up | warm-up failed
+        return web.json_response({"status": status}, status=200 if status == "ok" else 503)
+
+    def _refuse_until_ready(self) -> None:
+        """Generation waits for no warm-up: a 503 now lets the client retry (or go elsewhere)."""
+        if not self.engine.ready:
+            raise HTTPError(503, f"the engine is not serving yet ({self.engine.status}); retry shortly",
+                            code="warming_up", headers={"Retry-After": "1"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -167,6 +182,7 @@ class EngineServer:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_until_ready()
         with RequestTiming(self.tracer, request.headers) as timing:
             body = await self._request_body(request)
             text = self._render_chat(body)
@@ -243,6 +259,7 @@ class EngineServer:
         return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_until_ready()
         with RequestTiming(self.tracer, request.headers) as timing:
             return await self._completions(request, timing)
 
@@ -480,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the dir name, or 'demo')")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--load-format", default=a.load_format, choices=LOAD_FORMATS,
+                   help="mmap (default): weights memory-mapped from the safetensors files, paged in "
+                   "on first use and shared through the page cache; eager: read whole into memory "
+                   "before serving (no page faults on first requests)")
     p.add_argument("--block-size", type=int, default=a.block_size, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
     p.add_argument("--kv-cache-memory", default=None,
@@ -502,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens when a request sets none")
+    p.add_argument("--skip-server-warmup", action="store_true",
+                   help="serve at once: no warm-up run before /health says 200 (the first requests "
+                   "then pay for page faults, allocator growth and kernel compilation)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send one `llm_request` span per request to this OTLP/HTTP collector, "
                    "e.g. http://localhost:4318 (needs the `otel` extra)")
@@ -521,6 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help='prompt-lookup speculative decoding, as vLLM\'s: \'{"method": "ngram", '
                         '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
                         '(also disable_by_batch_size, min_acceptance_rate)')
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="a second KV tier of this many GiB (as vLLM's flag): blocks evicted from the KV "
+                   "cache are kept there and loaded back on a prefix hit instead of recomputed; pinned "
+                   "host memory on CUDA, a memory-mapped file on CPU (default 0: off)")
+    p.add_argument("--kv-offloading-path", default=None, metavar="DIR",
+                   help="on CPU, the directory of the second tier's file, e.g. on a fast local disk "
+                   "(default: the temp dir; the file is unlinked at once, so it never outlives the engine)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -539,7 +570,8 @@ def tracing_config(ns: argparse.Namespace) -> dict | None:
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
+        model=ns.model, dtype=ns.dtype, device=ns.device, load_format=ns.load_format,
+        block_size=ns.block_size,
         num_kv_blocks=ns.num_kv_blocks, kv_cache_memory=ns.kv_cache_memory,
         kv_cache_dtype=ns.kv_cache_dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -549,7 +581,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend, enforce_eager=ns.enforce_eager,
         served_model_name=ns.served_model_name[0] if ns.served_model_name else None,
         role=ns.role, kv_transfer_host=ns.kv_transfer_host, kv_transfer_port=ns.kv_transfer_port,
-        kv_transfer_timeout=ns.kv_transfer_timeout, speculative_config=speculative_config(ns))
+        kv_transfer_timeout=ns.kv_transfer_timeout, speculative_config=speculative_config(ns),
+        kv_offloading_size=ns.kv_offloading_size or None, kv_offloading_path=ns.kv_offloading_path)
 
 
 def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
@@ -574,19 +607,22 @@ class RunningServer:
         if self.kv is not None:
             await self.kv.close()
         await self.engine.stop()
+        await asyncio.to_thread(self.engine.engine.close)     # the second KV tier's stores end
         if self.tracer is not None:         # flushes queued spans (bounded), off the loop
             await asyncio.to_thread(self.tracer.close)
 
 
 async def start_server(argv: list[str] | None = None, *, host: str | None = None, port: int | None = None,
-                       engine: LLMEngine | None = None) -> RunningServer:
-    """Build the engine (unless given) and serve it in this event loop; port 0 picks a free one."""
+                       engine: LLMEngine | None = None, wait_for_warmup: bool = True) -> RunningServer:
+    """Build the engine (unless given) and serve it in this event loop; port 0 picks a free one.
+    Returns once the warm-up has run (WarmupError if it failed), or with `wait_for_warmup=False`
+    as soon as it listens (`server.engine.wait_ready()` then waits)."""
     ns = build_parser().parse_args(argv or [])
     if ns.served_model_name and not all(ns.served_model_name):
         raise ValueError("--served-model-name: a name must not be empty")
     trace_cfg = tracing_config(ns)          # before the engine: a bad flag fails at once
     core = engine or await asyncio.to_thread(LLMEngine, engine_args(ns))
-    async_engine = AsyncEngine(core)
+    async_engine = AsyncEngine(core, warm_up=not ns.skip_server_warmup)
     kv = kv_transfer.KVTransfer(async_engine, host or ns.host)
     metrics = EngineMetrics(core, kv.stats)
     async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
@@ -599,13 +635,19 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
         await kv.close()
         raise
     tracer = server.tracer = tracing.Tracing(trace_cfg) if trace_cfg else None
-    async_engine.start()
-    return RunningServer(runner, url, async_engine, metrics, tracer, kv)
+    async_engine.start()            # the warm-up first, then the step loop
+    running = RunningServer(runner, url, async_engine, metrics, tracer, kv)
+    if wait_for_warmup:
+        try:
+            await async_engine.wait_ready()
+        except BaseException:
+            await running.close()
+            raise
+    return running
 
 
 async def _serve_forever(argv: list[str]) -> None:
-    server = await start_server(argv)
-    print(f"prefixgate engine: serving {server.engine.engine.served_model_name} at {server.url}", flush=True)
+    server = await start_server(argv, wait_for_warmup=False)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -613,6 +655,11 @@ async def _serve_forever(argv: list[str]) -> None:
         except (NotImplementedError, RuntimeError):   # not on this platform: Ctrl-C still works
             pass
     try:
+        if server.engine.warm_up:
+            log.info("listening at %s; /health answers 503 until the warm-up has run", server.url)
+        # a signal meanwhile is acted on once the warm-up thread is done (it cannot be interrupted)
+        await server.engine.wait_ready()
+        print(f"prefixgate engine: serving {server.engine.engine.served_model_name} at {server.url}", flush=True)
         await stop.wait()
     finally:
         await server.close()
@@ -626,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         run_on_uvloop(_serve_forever(argv))
     except KeyboardInterrupt:
         pass
-    except (FileNotFoundError, ValueError, OSError, WeightError) as e:   # bad model dir, flags or weights
+    # a bad model dir, flags or weights (before listening), or a warm-up that cannot run
+    except (FileNotFoundError, ValueError, OSError, WeightError, WarmupError) as e:
         print(f"prefixgate backend: {e}", file=sys.stderr)
         return 1
     return 0

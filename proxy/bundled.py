@@ -35,6 +35,8 @@ class BundledEngines:
         return check_upstreams(raw, timeouts)
 
     async def start(self) -> None:
+        """Launch the engines and wait until each one's /health says 200, which is after its
+        warm-up (wait_ready takes the 503 meanwhile, like a refused connection, as "not yet")."""
         for port, role in zip(self.ports, self.roles):
             cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
                    "--host", self.cfg["host"], "--port", str(port), "--role", role,
@@ -46,11 +48,19 @@ class BundledEngines:
             for proc, url in zip(self.procs, self.urls)))
 
     def engine_args(self) -> list[str]:
-        """`bundled.args`, `bundled.speculative_config` as the flag, and the gateway's collector for the engines' own spans (their
-        `llm_request` spans join the gateway's traces) unless the args name one."""
+        """`bundled.args`, `bundled.speculative_config`, `load_format` and `kv_offloading_*` as
+        their flags, and the gateway's collector for the engines' own spans (their `llm_request`
+        spans join the gateway's traces), each unless the args name it."""
         args = [str(a) for a in self.cfg["args"]]
+        load_format = self.cfg.get("load_format", "mmap")
+        if load_format != "mmap" and "--load-format" not in args:     # mmap: the engine's default
+            args += ["--load-format", load_format]
         if self.cfg.get("speculative_config") and "--speculative-config" not in args:
             args += ["--speculative-config", json.dumps(self.cfg["speculative_config"])]
+        for key, flag in (("kv_offloading_size", "--kv-offloading-size"),
+                          ("kv_offloading_path", "--kv-offloading-path")):
+            if self.cfg.get(key) and flag not in args:
+                args += [flag, str(self.cfg[key])]
         if self.tracing is not None and "--otlp-traces-endpoint" not in args:
             args += ["--otlp-traces-endpoint", self.tracing["otlp_endpoint"],
                      "--otlp-service-name", f"{self.tracing['service_name']}-engine"]

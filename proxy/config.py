@@ -6,6 +6,8 @@ module holds the top level and puts them together.
 """
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import yaml
 
 from prefixgate.backend.spec_decode import SpecConfigError, parse_speculative_config
 from prefixgate.proxy import access_log, auth, discovery, health, pd, tracing
-from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, positive
+from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, one_of, positive
 from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
 
 MODEL = {
@@ -24,6 +26,15 @@ MODEL_SINGLE = {
     **MODEL,
 }
 ANY_MODEL = "*"                      # `models:` entry for requests whose model has none
+
+
+def _writable_dir(path: str) -> str | None:
+    """Why `path` cannot hold a file (the engine checks again, naming its flag)."""
+    if not os.path.isdir(path):
+        return f"{path}: no such directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path}: not writable"
+    return None
 
 
 TOP = {
@@ -44,6 +55,13 @@ TOP = {
         "args": Key(list, list),               # extra `prefixgate backend` flags
         # vLLM's speculative_config (prompt lookup): passed as --speculative-config
         "speculative_config": Key(dict, None),
+        # --load-format: mmap (page in on use, share the page cache) or eager (read before
+        # ready); backend/loader.py's LOAD_FORMATS, not imported here (it would import torch)
+        "load_format": Key(str, "mmap", one_of("mmap", "eager")),
+        # the second KV tier (backend/kv_tier.py): --kv-offloading-size GiB, --kv-offloading-path DIR
+        "kv_offloading_size": Key((int, float), None, lambda v: None if math.isfinite(v) and v >= 0
+                                  else "must be > 0 (GiB; 0: no second tier)"),
+        "kv_offloading_path": Key(str, None, _writable_dir),
         "startup_timeout_s": Key((int, float), 600.0, positive),
     }),
     "model": Key(dict, dict, nested=MODEL_SINGLE),   # the single-model form of `models:`
@@ -115,6 +133,8 @@ def _bundled(cfg: dict) -> dict | None:
     except SpecConfigError as e:
         raise ConfigError("bundled.speculative_config" + (f".{e.key}" if e.key else ""),
                           e.reason) from None
+    if b["kv_offloading_path"] is not None and not b["kv_offloading_size"]:
+        raise ConfigError("bundled.kv_offloading_path", "needs bundled.kv_offloading_size (GiB)")
     if bool(b["prefill"]) != bool(b["decode"]):
         raise ConfigError("bundled", "prefill and decode go together (e.g. prefill: 1, "
                                      "decode: 1): a P/D pair needs both")

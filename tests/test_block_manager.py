@@ -46,7 +46,8 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     a = computed(bm, list(range(10)))             # blocks [0..3] [4..7] full, [8, 9] partial
     b = Sequence(list(range(8)) + [50, 51, 52])
     hits = bm.match_prefix(b)
-    assert hits == a.block_table[:2]              # full blocks only
+    assert hits.block_ids == a.block_table[:2]    # full blocks only
+    assert hits.num_tokens == 8
     assert bm.allocate(b, len(b), hits)
     assert b.num_computed_tokens == b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
@@ -58,14 +59,14 @@ def test_prefix_miss_when_an_earlier_block_differs():
     bm = BlockManager(16, BS)
     computed(bm, list(range(12)))
     other = Sequence([99] + list(range(1, 12)))   # same second block, different first block
-    assert bm.match_prefix(other) == []
+    assert bm.match_prefix(other).block_ids == []
 
 
 def test_a_hit_leaves_the_last_token_to_compute():
     bm = BlockManager(16, BS)
     a = computed(bm, list(range(8)))
     same = Sequence(list(range(8)))
-    assert bm.match_prefix(same) == a.block_table[:1]   # the step must still produce logits
+    assert bm.match_prefix(same).block_ids == a.block_table[:1]   # the step must still produce logits
 
 
 def test_hash_collision_is_not_served():
@@ -74,7 +75,7 @@ def test_hash_collision_is_not_served():
     b = Sequence([7, 7, 7, 7, 7])
     bm.match_prefix(b)                                   # computes b's block hashes
     bm.cached[b.block_hashes[0]] = a.block_table[0]      # pretend xxh64 collided
-    assert bm.match_prefix(b) == []
+    assert bm.match_prefix(b).block_ids == []
 
 
 def test_freed_blocks_stay_cached_until_reused():
@@ -85,7 +86,7 @@ def test_freed_blocks_stay_cached_until_reused():
     assert bm.usage() == 0.0
     b = Sequence(list(range(8)) + [42])
     hits = bm.match_prefix(b)
-    assert hits == head
+    assert hits.block_ids == head
     assert bm.allocate(b, len(b), hits) and b.num_cached_tokens == 8
 
 
@@ -100,8 +101,8 @@ def test_lru_reuse_order():
     c = Sequence(list(range(300, 312)))
     assert bm.allocate(c, 12)
     assert set(c.block_table) == {a_blocks[2], b_blocks[2], a_blocks[1]}
-    assert len(bm.match_prefix(Sequence(list(range(100, 109))))) == 1   # a's head survives
-    assert len(bm.match_prefix(Sequence(list(range(200, 209))))) == 2   # b untouched
+    assert bm.match_prefix(Sequence(list(range(100, 109)))).num_blocks == 1   # a's head survives
+    assert bm.match_prefix(Sequence(list(range(200, 209)))).num_blocks == 2   # b untouched
     d = Sequence(list(range(400, 404)))
     assert bm.allocate(d, 4) and d.block_table == [a_blocks[0]]
 
@@ -121,5 +122,5 @@ def test_shared_block_survives_until_last_owner_frees():
 def test_prefix_caching_off():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     computed(bm, list(range(9)))
-    assert bm.match_prefix(Sequence(list(range(9)))) == []
+    assert bm.match_prefix(Sequence(list(range(9)))).num_tokens == 0
     assert bm.cached == {}

@@ -86,3 +86,18 @@ def test_serve_with_a_bad_config_exits_with_one_line(tmp_path, yaml_text, messag
 def test_serve_with_a_missing_config_file(tmp_path):
     proc = run_cli("serve", "--config", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "cannot read config" in proc.stderr
+
+
+def test_bundled_load_format_is_checked_and_becomes_the_engines_flag():
+    from prefixgate.backend.loader import LOAD_FORMATS
+    from prefixgate.proxy.bundled import BundledEngines
+
+    with pytest.raises(ConfigError, match=r"bundled.load_format: must be one of mmap, eager \(got 'lazy'\)"):
+        config.validate({"bundled": {"load_format": "lazy"}})
+    for fmt in LOAD_FORMATS:        # the gateway lists the engine's formats without importing torch
+        assert config.validate({"bundled": {"load_format": fmt}})["bundled"]["load_format"] == fmt
+    assert BundledEngines(config.validate({"bundled": {}})["bundled"]).engine_args() == []   # mmap: the default
+    eager = config.validate({"bundled": {"load_format": "eager", "args": ["--max-num-seqs", "8"]}})
+    assert BundledEngines(eager["bundled"]).engine_args() == ["--max-num-seqs", "8", "--load-format", "eager"]
+    own = config.validate({"bundled": {"load_format": "eager", "args": ["--load-format", "mmap"]}})
+    assert BundledEngines(own["bundled"]).engine_args() == ["--load-format", "mmap"]    # the args win

@@ -197,3 +197,70 @@ def test_verify_weights_command_line(model_dir):
     bad = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True, text=True)
     assert bad.returncode == 1
     assert "PROBLEM: missing tensor model.layers.2.self_attn.q_proj.weight" in bad.stdout
+
+
+# --- load formats: --load-format mmap | eager ------------------------------------------------
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """This process's memory mappings of `path` (Linux /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def _file_backed(model, path: Path) -> list[bool]:
+    """Per parameter: whether its data lies in a mapping of `path`."""
+    ranges = _mapped_ranges(path.resolve())
+    return [any(a <= p.data_ptr() < b for a, b in ranges) for p in model.parameters()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_mmap_keeps_cpu_weights_in_the_file_mapping_and_eager_reads_them_into_memory(model_dir):
+    weights = model_dir / "model.safetensors"
+    mapped, _ = load_model(model_dir, load_format="mmap")
+    assert all(_file_backed(mapped, weights))
+    eager, _ = load_model(model_dir, load_format="eager")
+    assert not any(_file_backed(eager, weights))
+    converted, _ = load_model(model_dir, dtype="bfloat16", load_format="mmap")
+    assert not any(_file_backed(converted, weights))    # a dtype conversion copies either way
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from prefixgate.backend.demo import ensure_demo_model
+
+    return Path(ensure_demo_model())
+
+
+@pytest.mark.parametrize("which,dtype", [("pristine", None), ("pristine", "bfloat16"),
+                                         ("pristine_sharded", None), ("demo_dir", None)])
+def test_both_load_formats_give_identical_weights_and_logits(which, dtype, request):
+    from model_factory import PagedCache
+
+    path = request.getfixturevalue(which)
+    (mapped, config), (eager, _) = (load_model(path, dtype=dtype, load_format=f) for f in ("mmap", "eager"))
+    ours, theirs = mapped.state_dict(), eager.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    prompt = [5, 17, 33, 61, 90, 120, 150, 200, 7, 8, 9]
+    dt = next(mapped.parameters()).dtype
+    logits = [PagedCache(config, dtype=dt).step(m, {0: prompt})[0] for m in (mapped, eager)]
+    assert torch.equal(*logits)
+
+
+def test_an_unknown_load_format_is_refused(model_dir, capsys):
+    from prefixgate.backend.server import build_parser, engine_args
+
+    with pytest.raises(ValueError, match="load format 'bogus': use one of mmap, eager"):
+        load_model(model_dir, load_format="bogus")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--load-format", "bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--load-format: invalid choice: 'bogus'" in err
+    assert engine_args(build_parser().parse_args(["--load-format", "eager"])).load_format == "eager"
+    assert engine_args(build_parser().parse_args([])).load_format == "mmap"
