@@ -8,6 +8,10 @@ server (streamed completions with token-id prompts, so tokenization is not measu
      p95 TTFT with chunked prefill vs with prompts taken whole.        target 3x
   c) continuous batching: 16 concurrent 128-token generations vs the same 16 run one by one
      with transformers' `generate` on the same model.                  target 4x
+  d) warm-up: fresh `prefixgate backend` processes, per --load-format (mmap, eager), with
+     and without --skip-server-warmup: seconds from launch until /health says 200, then the
+     first request's TTFT (a 64-token prompt) and a second one's; the ratio is the first
+     request's TTFT without warm-up over with it.                      no target
 Prints medians and ratios; `--out FILE` saves them with the config as JSON.
 """
 from __future__ import annotations
@@ -17,12 +21,14 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 
 import aiohttp
 
 from prefixgate.backend.server import start_server
+from prefixgate.proxy.bundled import free_port
 
 TARGETS = {"prefix_50": 1.8, "prefix_80": 3.5, "chunked_p95": 3.0, "throughput": 4.0}
 
@@ -144,6 +150,56 @@ async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 
             "throughput": m_hf / m_ours}
 
 
+FIRST_PROMPT_TOKENS = 64     # short, so a one-time cost is not hidden in the prompt's own compute
+
+
+async def _fresh_start(session, model: str, flags: list[str], prompts: Prompts) -> dict:
+    """Launch an engine process, poll /health from the start; then two requests, one by one."""
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.backend.server", "--model", model, "--port", str(port),
+        "--log-level", "warning", *flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        listening = None
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"engine {flags} exited with {proc.returncode}")
+            try:
+                async with session.get(url + "/health") as r:
+                    listening = listening or time.perf_counter() - t0
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.01)
+        ready = time.perf_counter() - t0
+        first = await ttft(session, url, prompts(FIRST_PROMPT_TOKENS))
+        second = await ttft(session, url, prompts(FIRST_PROMPT_TOKENS))
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return {"listening_s": listening, "ready_s": ready, "first_ttft_s": first, "second_ttft_s": second}
+
+
+async def bench_warmup(model: str, repeats: int, prompts: Prompts) -> dict:
+    """Each repeat starts every configuration once, so drifting load hits them alike."""
+    configs = {f"{fmt}_{'warm' if warm else 'skip'}": ["--load-format", fmt] + ([] if warm else ["--skip-server-warmup"])
+               for fmt in ("mmap", "eager") for warm in (True, False)}
+    samples = {name: [] for name in configs}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(repeats):
+            for name, flags in configs.items():
+                samples[name].append(await _fresh_start(s, model, flags, prompts))
+    medians = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+               for name, runs in samples.items()}
+    ratios = {fmt: medians[f"{fmt}_skip"]["first_ttft_s"] / medians[f"{fmt}_warm"]["first_ttft_s"]
+              for fmt in ("mmap", "eager")}
+    return {"medians": medians, "samples": samples, "first_ttft_skip_over_warm": ratios,
+            "prompt_tokens": FIRST_PROMPT_TOKENS}
+
+
 def _load_hf(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,6 +239,9 @@ async def run(args) -> dict:
     if "c" in parts:
         result["continuous_batching"] = await bench_throughput(args.model, args.repeats, prompts)
         _report_c(result["continuous_batching"])
+    if "d" in parts:
+        result["warmup"] = await bench_warmup(args.model, args.repeats, prompts)
+        _report_d(result["warmup"])
     return result
 
 
@@ -212,10 +271,21 @@ def _report_c(r):
     print(f"   throughput: {_verdict(r['throughput'], 'throughput')}")
 
 
+def _report_d(r):
+    m = r["medians"]
+    print(f"d) fresh engine processes, medians of runs; first request: a {r['prompt_tokens']}-token prompt")
+    for fmt in ("mmap", "eager"):
+        warm, skip = m[f"{fmt}_warm"], m[f"{fmt}_skip"]
+        print(f"   {fmt:5}: /health 200 after {warm['ready_s']:.2f} s (listening at {warm['listening_s']:.2f} s; "
+              f"{skip['ready_s']:.2f} s with --skip-server-warmup); first TTFT {warm['first_ttft_s'] * 1e3:.0f} ms "
+              f"warmed vs {skip['first_ttft_s'] * 1e3:.0f} ms skipped: {r['first_ttft_skip_over_warm'][fmt]:.2f}x; "
+              f"second TTFT {warm['second_ttft_s'] * 1e3:.0f} / {skip['second_ttft_s'] * 1e3:.0f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
-    p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c")
+    p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c,d")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,

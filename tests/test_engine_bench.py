@@ -16,3 +16,15 @@ def test_bench_script_runs_and_saves_json(tmp_path, capsys):
     assert data["config"]["repeats"] == 1
     printed = capsys.readouterr().out
     assert "a) prefix cache" in printed and "c) 16 x 128 tokens" in printed
+
+
+def test_bench_part_d_starts_fresh_engines_with_and_without_warmup(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "m", "llama")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(model), "--parts", "d", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())["warmup"]
+    assert set(data["medians"]) == {"mmap_warm", "mmap_skip", "eager_warm", "eager_skip"}
+    for m in data["medians"].values():
+        assert 0 < m["listening_s"] <= m["ready_s"] and m["first_ttft_s"] > 0 and m["second_ttft_s"] > 0
+    assert set(data["first_ttft_skip_over_warm"]) == {"mmap", "eager"}
+    assert "d) fresh engine processes" in capsys.readouterr().out

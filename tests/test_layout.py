@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("proxy", "plugins", "backend", "kernels", "conf")     # installed as prefixgate.<folder>
 TOOL_ROOMS = ("prefixgate.proxy.bench", "prefixgate.proxy.doctor", "prefixgate.proxy.testing",
               "prefixgate.plugins.sim", "prefixgate.kernels.bench", "prefixgate.backend.bench",
-              "prefixgate.backend.bench_kv_transfer", "prefixgate.backend.bench_spec_decode")
+              "prefixgate.backend.bench_kv_transfer", "prefixgate.backend.bench_spec_decode",
+              "prefixgate.backend.bench_kv_tier")
 
 
 def module_name(root: Path, path: Path) -> str:

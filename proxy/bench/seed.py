@@ -13,6 +13,9 @@ stage adding one fix to the one before (engines restarted, so no stage inherits 
     +PD disaggregation one prefill and one decode engine instead of the two mixed ones (same
                        cores): prefills no longer stall decodes; the prefill engine holds
                        every tenant's prefix its cache has room for
+    +KV offload tier   the engines keep prefixes evicted from their KV cache in a second
+                       tier (`--kv-offloading-size`) and load them back instead of
+                       recomputing them: no tenant is served cold twice
 
 The workload, scaled to CPU: fixed-length prompts whose first 80% is one of several
 tenants' system prompts with tool definitions, headed by the current time; the rest is per
@@ -52,6 +55,7 @@ class Stage:
     chunked_prefill: bool
     routing: str                     # a routing plugin: round_robin or prefix_route
     pd: bool = False                 # one prefill + one decode engine (`pd: prefixgate`)
+    kv_offload: bool = False         # a second KV tier behind each engine's cache
 
     def roles(self, w: "Workload") -> list[str]:
         return ["prefill", "decode"] if self.pd else ["both"] * w.engines
@@ -63,6 +67,8 @@ class Stage:
             args.append("--no-prefix-caching")
         if not self.chunked_prefill:
             args.append("--no-chunked-prefill")
+        if self.kv_offload:
+            args += ["--kv-offloading-size", str(w.kv_offloading_size)]
         return args
 
     def plugins(self, w: "Workload") -> list[dict]:
@@ -82,6 +88,7 @@ STAGES = [
     Stage("+chunked prefill", True, True, True, "round_robin"),
     Stage("+affinity routing", True, True, True, "prefix_route"),
     Stage("+PD disaggregation", True, True, True, "prefix_route", pd=True),
+    Stage("+KV offload tier", True, True, True, "prefix_route", pd=True, kv_offload=True),
 ]
 
 
@@ -102,6 +109,8 @@ class Workload:
     engine_threads: int = 1          # torch threads per engine: engines x threads <= cores
     batched_tokens: int = 512        # engine step budget
     cached_tenants: float = 0.75     # fraction of all tenants' prefixes one engine's KV holds
+    kv_offloading_size: float = 0.5  # GiB of second tier per engine (last stage): every
+                                     # tenant's prefix several times over
     policy: str = "cache_aware"      # prefix_route policy for the last stage
     balance_abs: float = 8           # cache_aware: in-flight gap that counts as imbalance;
                                      # a spilled request recomputes its whole prefix, which

@@ -1,0 +1,178 @@
+"""The second KV tier vs recomputing evicted prefixes: `python -m prefixgate.backend.bench_kv_tier`.
+
+A tenant set twice the size of the device KV cache: 16 tenants, each a 1,024-token prefix (its
+system prompt), and a device cache with room for 6 of them. Every request is one tenant's
+prefix plus 32 fresh tokens; tenants are visited in a shuffled order each round, so most
+revisits find their prefix evicted from the device cache by the ones visited since. Two engines
+on the same model serve the same requests, one after the other (alternating which goes first):
+  off  no second tier: an evicted prefix is recomputed
+  on   `--kv-offloading-size` large enough for every tenant: an evicted prefix is loaded back
+       from the tier (on CPU a memory-mapped file, `--kv-offloading-path` or a temp dir)
+Prints TTFT p50/p95 of the revisits for both, the ratio off/on (aim: >= 3x lower p50 on CPU),
+where the prompt tokens came from (device cache, tier, computed), and the tier's counters.
+`--out FILE` saves it all with the config as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+import aiohttp
+
+from prefixgate.backend.server import start_server
+from prefixgate.proxy.bench.stats import percentile
+from prefixgate.proxy.doctor import metrics as pm
+
+TARGET_P50 = 3.0
+TIER_COUNTERS = ("kv_offload_stored_blocks", "kv_offload_loaded_blocks", "kv_offload_hit_tokens",
+                 "kv_offload_corrupted_blocks")
+
+
+def device_blocks(args) -> int:
+    """Device KV blocks: `device_tenants` prefixes, plus the in-flight request's own blocks."""
+    per_prefix = -(-args.prefix_tokens // args.block_size)
+    own = -(-(args.suffix_tokens + 1) // args.block_size) + 1
+    return args.device_tenants * per_prefix + own
+
+
+def engine_flags(args, tier: bool) -> list[str]:
+    flags = ["--model", args.model, "--device", args.device, "--block-size", str(args.block_size),
+             "--num-kv-blocks", str(device_blocks(args)), "--log-level", "warning"]
+    if tier:
+        flags += ["--kv-offloading-size", str(args.kv_offloading_size)]
+        if args.kv_offloading_path:
+            flags += ["--kv-offloading-path", args.kv_offloading_path]
+    return flags
+
+
+async def first_token(session, url: str, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first streamed token, and the usage's cached_tokens."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, cached = None, 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - t0
+            usage = chunk.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or cached
+    return first, cached
+
+
+async def tier_counters(session, url: str) -> dict[str, float]:
+    """The tier's counters from the engine's /metrics (0 where it exposes none: tier off)."""
+    async with session.get(url + "/metrics") as r:
+        m = pm.parse(await r.text())
+    return {name: m.get("prefixgate:" + name, 0.0) for name in TIER_COUNTERS}
+
+
+async def run(args) -> dict:
+    from prefixgate.backend.engine import _resolve_model_dir
+    from prefixgate.backend.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
+    rng = random.Random(args.seed)
+    fresh = lambda n: [rng.randrange(16, vocab) for _ in range(n)]   # noqa: E731
+    prefixes = [fresh(args.prefix_tokens) for _ in range(args.tenants)]
+    servers = {"off": await start_server(engine_flags(args, False), host="127.0.0.1", port=0),
+               "on": await start_server(engine_flags(args, True), host="127.0.0.1", port=0)}
+    samples = {arm: [] for arm in servers}
+    try:
+        async with aiohttp.ClientSession() as s:
+            for tenant in range(args.tenants):              # first visits: cold everywhere
+                prompt = prefixes[tenant] + fresh(args.suffix_tokens)
+                for srv in servers.values():
+                    await first_token(s, srv.url, prompt)
+            for r in range(args.rounds):
+                order = list(range(args.tenants))
+                rng.shuffle(order)
+                for i, tenant in enumerate(order):
+                    prompt = prefixes[tenant] + fresh(args.suffix_tokens)
+                    arms = ["off", "on"] if (r + i) % 2 == 0 else ["on", "off"]
+                    for arm in arms:
+                        ttft, cached = await first_token(s, servers[arm].url, prompt)
+                        samples[arm].append({"tenant": tenant, "ttft_s": ttft, "cached_tokens": cached})
+            counters = {arm: await tier_counters(s, srv.url) for arm, srv in servers.items()}
+    finally:
+        for srv in servers.values():
+            await srv.close()
+    return summarize(args, samples, counters)
+
+
+def summarize(args, samples: dict, counters: dict) -> dict:
+    arms = {}
+    prompt_tokens = args.prefix_tokens + args.suffix_tokens
+    for arm, xs in samples.items():
+        ttft = [x["ttft_s"] for x in xs]
+        cached = sum(x["cached_tokens"] for x in xs)
+        arms[arm] = {"ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p95_ms": percentile(ttft, 95) * 1e3,
+                     "revisits": len(xs), "cached_fraction": cached / (prompt_tokens * len(xs)),
+                     "counters": counters[arm]}
+    hit = counters["on"]["kv_offload_hit_tokens"]
+    arms["on"]["tier_fraction"] = hit / (prompt_tokens * len(samples["on"]))
+    off, on = arms["off"], arms["on"]
+    return {"config": vars(args), "device_blocks": device_blocks(args), "arms": arms,
+            "samples": samples, "target_p50": TARGET_P50,
+            "p50_ratio": off["ttft_p50_ms"] / on["ttft_p50_ms"],
+            "p95_ratio": off["ttft_p95_ms"] / on["ttft_p95_ms"]}
+
+
+def report(r: dict) -> None:
+    c, off, on = r["config"], r["arms"]["off"], r["arms"]["on"]
+    print(f"second KV tier: {c['tenants']} tenants x {c['prefix_tokens']}-token prefixes + "
+          f"{c['suffix_tokens']} fresh tokens, device cache {r['device_blocks']} blocks "
+          f"(~{c['device_tenants']} prefixes), {off['revisits']} revisits each")
+    print(f"  {'':<22}{'p50 ms':>9}{'p95 ms':>9}{'cached':>9}")
+    print(f"  {'without the tier':<22}{off['ttft_p50_ms']:9.1f}{off['ttft_p95_ms']:9.1f}"
+          f"{off['cached_fraction']:9.0%}")
+    print(f"  {'with the tier':<22}{on['ttft_p50_ms']:9.1f}{on['ttft_p95_ms']:9.1f}"
+          f"{on['cached_fraction']:9.0%}  (from the tier: {on['tier_fraction']:.0%})")
+    k = on["counters"]
+    print(f"  tier: {k['kv_offload_stored_blocks']:.0f} blocks stored, {k['kv_offload_loaded_blocks']:.0f} "
+          f"loaded, {k['kv_offload_hit_tokens']:.0f} hit tokens, {k['kv_offload_corrupted_blocks']:.0f} corrupted")
+    met = "met" if r["p50_ratio"] >= r["target_p50"] else "MISSED"
+    print(f"  TTFT p50 without / with: {r['p50_ratio']:.2f}x (target >= {r['target_p50']}x: {met}); "
+          f"p95: {r['p95_ratio']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench_kv_tier",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tenants", type=int, default=16)
+    p.add_argument("--device-tenants", type=int, default=6, help="prefixes the device cache holds")
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--suffix-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3, help="shuffled visits of every tenant")
+    p.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB (default %(default)s)")
+    p.add_argument("--kv-offloading-path", default=None, help="the tier's directory (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 tenants (device: 2), 1 round: a smoke run")
+    p.add_argument("--out", default=None, help="save results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tenants, args.device_tenants, args.rounds = 4, 2, 1
+    t0 = time.monotonic()
+    result = asyncio.run(run(args))
+    report(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {args.out} ({time.monotonic() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
