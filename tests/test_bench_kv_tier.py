@@ -26,10 +26,15 @@ def test_bench_kv_tier_quick_run_serves_revisits_from_the_tier(tmp_path, capsys)
     assert "with the tier" in printed and "TTFT p50 without / with" in printed
 
 
-def test_seed_staircase_ends_with_the_tier_on_the_pd_stage():
-    last, before = bench_seed.STAGES[-1], bench_seed.STAGES[-2]
+def test_seed_staircase_adds_the_tier_after_affinity_routing():
+    names = [s.name for s in bench_seed.STAGES]
+    tier = bench_seed.STAGES[names.index("+KV offload tier")]
+    before = bench_seed.STAGES[names.index("+KV offload tier") - 1]
+    pd = bench_seed.STAGES[names.index("+PD disaggregation")]
+    assert before.name == "+affinity routing" and not before.kv_offload
+    assert tier.routing == "prefix_route" and not tier.pd
+    assert pd.kv_offload and names.index("+PD disaggregation") > names.index("+KV offload tier")
     w = bench_seed.Workload()
-    assert last.name == "+KV offload tier" and last.pd and before.pd and not before.kv_offload
-    args = last.engine_args(w)
+    args = tier.engine_args(w)
     assert args[args.index("--kv-offloading-size") + 1] == str(w.kv_offloading_size)
     assert "--kv-offloading-size" not in before.engine_args(w)

@@ -10,12 +10,12 @@ stage adding one fix to the one before (engines restarted, so no stage inherits 
     +prefix cache      engines reuse the KV of prompt prefixes they computed before
     +chunked prefill   long prefills are split so they do not stall other requests
     +affinity routing  requests go to the engine that holds their prefix (prefix_route)
-    +PD disaggregation one prefill and one decode engine instead of the two mixed ones (same
-                       cores): prefills no longer stall decodes; the prefill engine holds
-                       every tenant's prefix its cache has room for
     +KV offload tier   the engines keep prefixes evicted from their KV cache in a second
                        tier (`--kv-offloading-size`) and load them back instead of
-                       recomputing them: no tenant is served cold twice
+                       recomputing them: a tenant's prefix is computed once per engine
+    +PD disaggregation one prefill and one decode engine instead of the two mixed ones (same
+                       cores): prefills no longer stall decodes; the prefill engine holds
+                       every tenant's prefix (its cache and its second tier)
 
 The workload, scaled to CPU: fixed-length prompts whose first 80% is one of several
 tenants' system prompts with tool definitions, headed by the current time; the rest is per
@@ -87,8 +87,8 @@ STAGES = [
     Stage("+prefix cache", True, True, False, "round_robin"),
     Stage("+chunked prefill", True, True, True, "round_robin"),
     Stage("+affinity routing", True, True, True, "prefix_route"),
-    Stage("+PD disaggregation", True, True, True, "prefix_route", pd=True),
-    Stage("+KV offload tier", True, True, True, "prefix_route", pd=True, kv_offload=True),
+    Stage("+KV offload tier", True, True, True, "prefix_route", kv_offload=True),
+    Stage("+PD disaggregation", True, True, True, "prefix_route", pd=True, kv_offload=True),
 ]
 
 
