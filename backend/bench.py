@@ -282,6 +282,19 @@ def _report_d(r):
               f"second TTFT {warm['second_ttft_s'] * 1e3:.0f} / {skip['second_ttft_s'] * 1e3:.0f} ms")
 
 
+def run_report_save(run, report, args) -> int:
+    """The engine benchmarks' ending: `asyncio.run(run(args))`, `report(result)`, and the
+    result saved as JSON where `--out` says."""
+    t0 = time.monotonic()
+    result = asyncio.run(run(args))
+    report(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {args.out} ({time.monotonic() - t0:.0f}s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")

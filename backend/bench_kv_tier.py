@@ -15,7 +15,6 @@ where the prompt tokens came from (device cache, tier, computed), and the tier's
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -23,6 +22,7 @@ import time
 
 import aiohttp
 
+from prefixgate.backend.bench import run_report_save
 from prefixgate.backend.server import start_server
 from prefixgate.proxy.bench.stats import percentile
 from prefixgate.proxy.doctor import metrics as pm
@@ -164,14 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.tenants, args.device_tenants, args.rounds = 4, 2, 1
-    t0 = time.monotonic()
-    result = asyncio.run(run(args))
-    report(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {args.out} ({time.monotonic() - t0:.0f}s)")
-    return 0
+    return run_report_save(run, report, args)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ import random
 import socket
 import statistics
 import sys
-import time
 
 import aiohttp
 
+from prefixgate.backend.bench import run_report_save
 from prefixgate.proxy import server_timing
 from prefixgate.proxy.server import wait_ready
 
@@ -130,14 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="save results as JSON here")
     args = p.parse_args(argv)
-    t0 = time.monotonic()
-    result = asyncio.run(run(args))
-    report(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {args.out} ({time.monotonic() - t0:.0f}s)")
-    return 0
+    return run_report_save(run, report, args)
 
 
 if __name__ == "__main__":
