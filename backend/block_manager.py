@@ -17,6 +17,10 @@ offered to the tier, and a block the tier is still copying is not reused before 
 prefix lookup (`match_prefix`) continues the chain in the tier after the device cache's hits;
 `allocate` loads those blocks into fresh blocks and counts them computed and cached, as device
 hits. A load stops at the first block that fails its checksum: from there the prompt is computed.
+
+KV events (backend/kv_events.py): with a sink in `events`, a block entering the prefix cache
+(computed, or loaded from the tier) is recorded as stored on the "GPU" medium, and a cached
+block handed out for new KV as removed; the engine publishes them after the step.
 """
 from __future__ import annotations
 
@@ -27,9 +31,11 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from prefixgate.backend.kv_events import MEDIUM_GPU
 from prefixgate.backend.sequence import Sequence
 
 if TYPE_CHECKING:
+    from prefixgate.backend.kv_events import KVEventSink
     from prefixgate.backend.kv_tier import KVTier
 
 ROOT_HASH = 0   # the parent hash of a sequence's first block
@@ -80,6 +86,7 @@ class BlockManager:
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which were served from it (or the tier)
         self.tier = tier                       # the second KV tier, if any
+        self.events: KVEventSink | None = None   # where KV events go, when they are published
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,6 +171,7 @@ class BlockManager:
                 block = self.blocks[bid]
                 block.hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
                 self.cached[block_hash] = bid
+                self._record_cached(block)
         return loaded
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -182,7 +190,13 @@ class BlockManager:
             block.parent_hash = seq.block_hashes[i - 1] if i else ROOT_HASH
             block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             self.cached[h] = block.block_id
+            self._record_cached(block)
         seq.num_hashed_blocks = n_full
+
+    def _record_cached(self, block: Block) -> None:
+        """KV event: `block` entered the prefix cache."""
+        if self.events is not None:
+            self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_GPU)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the tail blocks past the first `num_tokens` tokens (a rejected draft's):
@@ -226,6 +240,8 @@ class BlockManager:
         if block.hash is not None:               # evict it from the prefix cache
             if self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash, MEDIUM_GPU)
             block.hash = None
             block.token_ids = ()
         block.ref_count = 1

@@ -6,6 +6,10 @@ running each step in one worker thread so the event loop keeps serving HTTP whil
 computes, and hands every request its outputs through its own queue. Before its first step
 it runs the warm-up on that thread (`LLMEngine.warm_up`, backend/warmup.py); requests
 queued meanwhile wait for it, and `ready` tells when it is done.
+
+With `--kv-events-config` the block manager and the second tier record KV events into one sink,
+and the engine hands them to the publisher (backend/kv_events.py) as one batch after every step
+that produced any, and after block manager work run between steps (`run_between_steps`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from pathlib import Path
 import torch
 
 from prefixgate.backend import kv_tier
-from prefixgate.backend.block_manager import BlockManager
+from prefixgate.backend.block_manager import ROOT_HASH, BlockManager
+from prefixgate.backend.kv_events import KVEventPublisher, KVEventsConfig, KVEventsConfigError, KVEventSink
 from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
                                              parse_bytes)
 from prefixgate.backend.sampling import SamplingParams, find_stop_string
@@ -63,6 +68,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None   # prompt-lookup drafts (backend/spec_decode.py)
     kv_offloading_size: float | None = None      # GiB of second KV tier (backend/kv_tier.py); None/0: off
     kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
+    kv_events_config: KVEventsConfig | None = None   # vLLM's KV events (backend/kv_events.py); None: off
 
 
 @dataclass
@@ -128,6 +134,7 @@ class LLMEngine:
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()
         self._releases: deque[str] = deque()       # transfer ids whose held KV blocks to free
+        self.kv_events = self._kv_events()         # last: nothing after it can fail and leave it bound
         log.info("engine ready: %s on %s (weights: %s), %d KV blocks of %d tokens, max_model_len %d",
                  self.model_dir, self.device, args.load_format, num_blocks, args.block_size,
                  self.max_model_len)
@@ -138,12 +145,36 @@ class LLMEngine:
             return None
         return kv_tier.KVTier(self.runner.kv_caches, a.block_size, a.kv_offloading_size, a.kv_offloading_path)
 
+    def _kv_events(self) -> KVEventPublisher | None:
+        """The publisher `--kv-events-config` asks for, its sink given to the block manager and
+        the tier; None when events are off."""
+        config = self.args.kv_events_config
+        if config is None or not config.publishes:
+            return None
+        if not self.args.enable_prefix_caching:
+            log.warning("--kv-events-config: with --no-prefix-caching no block is ever cached: no KV event "
+                        "will be published")
+        try:
+            publisher = KVEventPublisher(config)
+        except KVEventsConfigError as e:       # the endpoint cannot be bound (in use, ...)
+            raise ValueError(f"--kv-events-config: {e}") from None
+        self.block_manager.events = KVEventSink(self.args.block_size, ROOT_HASH)
+        if self.kv_tier is not None:
+            self.kv_tier.events = self.block_manager.events
+        return publisher
+
     def close(self) -> None:
-        """Let the second KV tier go (waits for its queued stores); the engine then runs without it."""
+        """Let the second KV tier go (waits for its queued stores) and close the KV event
+        publisher (what is queued is sent first); the engine then runs without them."""
+        self.publish_kv_events()
         tier, self.kv_tier = self.kv_tier, None
         self.block_manager.tier = None
         if tier is not None:
             tier.close()
+        publisher, self.kv_events = self.kv_events, None
+        self.block_manager.events = None
+        if publisher is not None:
+            publisher.close()
 
     def _kv_dtype(self) -> torch.dtype:
         name = self.args.kv_cache_dtype
@@ -208,7 +239,16 @@ class LLMEngine:
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
                 "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
                 "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
-                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats()}
+                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats(), **self._kv_events_stats()}
+
+    def _kv_events_stats(self) -> dict:
+        """The KV event publisher's counters; none when it is off."""
+        if self.kv_events is None:
+            return {}
+        t = self.kv_events.stats
+        return {"kv_events_published_batches": t.published_batches,
+                "kv_events_published_events": t.published_events,
+                "kv_events_dropped_batches": t.dropped_batches}
 
     def _kv_tier_stats(self) -> dict:
         """The second KV tier's counters and usage; none when it is off."""
@@ -236,15 +276,32 @@ class LLMEngine:
         return warm_up(self)
 
     def step(self) -> list[RequestOutput]:
-        self._apply_queued()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        started = time.perf_counter()
-        sampled = self.runner.run(batch)    # returns host lists: the device has finished
-        if self.speculator is not None and batch.is_decoding:
-            self.speculator.cost.observe(batch.num_tokens, time.perf_counter() - started)
-        return [self._output(seq, n) for seq, n in self.scheduler.update(batch, sampled)]
+        try:
+            self._apply_queued()
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            started = time.perf_counter()
+            sampled = self.runner.run(batch)    # returns host lists: the device has finished
+            if self.speculator is not None and batch.is_decoding:
+                self.speculator.cost.observe(batch.num_tokens, time.perf_counter() - started)
+            return [self._output(seq, n) for seq, n in self.scheduler.update(batch, sampled)]
+        finally:    # even after a failed forward: what was cached and evicted stays so
+            self.publish_kv_events()
+
+    def run_between_steps(self, fn, *args):
+        """`fn(*args)` on the engine thread between steps (block manager work, such as a KV
+        pull's reservation); the KV events it causes are published at once."""
+        try:
+            return fn(*args)
+        finally:
+            self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV events recorded since the last call to the publisher, as one batch."""
+        sink = self.block_manager.events
+        if self.kv_events is not None and sink is not None and sink.events:
+            self.kv_events.publish(sink.take())
 
     def _apply_queued(self) -> None:
         while self._adds:
@@ -426,12 +483,13 @@ class AsyncEngine:
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the engine thread between two steps (block manager work)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.engine.run_between_steps, fn, *args)
 
     def call_soon(self, fn, *args) -> None:
         """`call` without waiting: for clean-up that must run even if the caller is cancelled."""
         try:
-            self._executor.submit(fn, *args)
+            self._executor.submit(self.engine.run_between_steps, fn, *args)
         except RuntimeError:        # shut down: the engine and its blocks are gone anyway
             pass
 

@@ -26,6 +26,10 @@ compute stream when its blocks were freed (their KV is written by then); a load 
 compute stream, and the compute stream then waits for the loads, so the next forward reads them.
 Stores and loads share the stream, so a slot is never overwritten before a queued load from it
 has run.
+
+KV events (backend/kv_events.py): with a sink in `events`, a block is recorded as stored on the
+"CPU" medium when its copy is queued (from then on `holds` is true and a load waits for the
+copy), and as removed when its entry is evicted for room or dropped by a failed check.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
+
+from prefixgate.backend.kv_events import MEDIUM_CPU, KVEventSink
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -115,6 +121,7 @@ class KVTier:
         self._pending: dict[int, Future] = {}                      # device block id -> its copy out
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-kv-tier")
         self.stats = KVTierStats()
+        self.events: KVEventSink | None = None     # where KV events go, when they are published
         log.info("second KV tier: %d blocks (%.3g GiB) in %s", self.num_slots, size_gib, where)
 
     def usage(self) -> float:
@@ -153,6 +160,9 @@ class KVTier:
         for block_id, entry in items:
             entry.stored = copy
             self._pending[block_id] = copy
+        if self.events is not None:     # in chain order (they were freed tail first)
+            for block in reversed(new):
+                self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_CPU)
 
     def wait_store(self, block_id: int) -> None:
         """Before a device block gets new KV: wait until its copy into the tier (if any) is done."""
@@ -163,9 +173,14 @@ class KVTier:
     def _take_slot(self) -> int:
         if self._free_slots:
             return self._free_slots.pop()
-        _, oldest = self.index.popitem(last=False)
+        evicted, oldest = self.index.popitem(last=False)
         oldest.stored.result()          # its copy may still be writing the slot
+        self._record_removed(evicted)
         return oldest.slot
+
+    def _record_removed(self, block_hash: int) -> None:
+        if self.events is not None:
+            self.events.removed(block_hash, MEDIUM_CPU)
 
     def _copy_out(self, items: list[tuple[int, _Entry]], ready) -> None:
         """On the worker: device blocks -> slots, then each slot's checksum."""
@@ -219,6 +234,7 @@ class KVTier:
             log.warning("second KV tier: block %016x failed its checksum; recomputing it", block_hash)
         del self.index[block_hash]
         self._free_slots.append(entry.slot)
+        self._record_removed(block_hash)
         return None
 
     # --- bytes -------------------------------------------------------------------------------

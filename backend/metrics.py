@@ -38,6 +38,7 @@ class _EngineCollector:
                      "KV blocks held for a decode engine's pull (prefill side).", s["kv_held_blocks"])
         yield from _spec_decode_metrics(self.engine.spec_stats())
         yield from _kv_offload_metrics(s)
+        yield from _kv_events_metrics(s)
         kv = self.kv
         if kv is None:
             return
@@ -83,6 +84,19 @@ def _kv_offload_metrics(s: dict):
                       ("hit_tokens", "Prompt tokens served from the second tier."),
                       ("corrupted_blocks", "Second tier blocks that failed their checksum (recomputed).")):
         yield _counter("prefixgate:kv_offload_" + name, doc, s["kv_offload_" + name])
+
+
+def _kv_events_metrics(s: dict):
+    """The KV event publisher's (backend/kv_events.py), when it is on; exposed with `_total`
+    (prefixgate:kv_events_published_total ...)."""
+    if "kv_events_published_batches" not in s:
+        return
+    for name, key, doc in (
+            ("kv_event_batches_published", "published_batches", "KV event batches sent on the PUB socket."),
+            ("kv_events_published", "published_events", "KV events (BlockStored, BlockRemoved) sent."),
+            ("kv_event_batches_dropped", "dropped_batches",
+             "KV event batches dropped: the publisher's queue was full (their seq numbers are skipped).")):
+        yield _counter("prefixgate:" + name, doc, s["kv_events_" + key])
 
 
 def _gauge(name, doc, value):

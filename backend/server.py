@@ -25,6 +25,9 @@ answer an OpenAI-shaped 503 (code `warming_up`, `Retry-After: 1`) rather than qu
 it: a client or gateway can retry elsewhere at once, and no request shares the engine with the
 warm-up, whose counters and cache are put back as they were. `--skip-server-warmup` (SGLang's
 flag) serves at once.
+
+`--kv-events-config` (vLLM's flag and JSON keys) publishes the prefix cache's KV events over
+ZMQ in vLLM's wire format (backend/kv_events.py); the publisher closes with the server.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixgate.backend import kv_transfer
 from prefixgate.backend.engine import AsyncEngine, EngineArgs, LLMEngine
+from prefixgate.backend.kv_events import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from prefixgate.backend.loader import LOAD_FORMATS, WeightError
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.sampling import SamplingParams
@@ -552,6 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-offloading-path", default=None, metavar="DIR",
                    help="on CPU, the directory of the second tier's file, e.g. on a fast local disk "
                    "(default: the temp dir; the file is unlinked at once, so it never outlives the engine)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events over ZMQ in vLLM\'s format, as vLLM\'s flag: '
+                   '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                   '"topic": "kv-events", "replay_endpoint": "tcp://*:5558"}\' (also buffer_steps, hwm, '
+                   'max_queue_size; a port 0 binds a free one)')
     p.add_argument("--log-level", default="info")
     return p
 
@@ -582,7 +591,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         served_model_name=ns.served_model_name[0] if ns.served_model_name else None,
         role=ns.role, kv_transfer_host=ns.kv_transfer_host, kv_transfer_port=ns.kv_transfer_port,
         kv_transfer_timeout=ns.kv_transfer_timeout, speculative_config=speculative_config(ns),
-        kv_offloading_size=ns.kv_offloading_size or None, kv_offloading_path=ns.kv_offloading_path)
+        kv_offloading_size=ns.kv_offloading_size or None, kv_offloading_path=ns.kv_offloading_path,
+        kv_events_config=kv_events_config(ns))
 
 
 def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
@@ -591,6 +601,14 @@ def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
         return parse_speculative_config(ns.speculative_config)
     except SpecConfigError as e:
         raise ValueError(f"--speculative-config: {e}") from None
+
+
+def kv_events_config(ns: argparse.Namespace) -> KVEventsConfig | None:
+    """`--kv-events-config` checked; ValueError names the flag and the key."""
+    try:
+        return parse_kv_events_config(ns.kv_events_config)
+    except KVEventsConfigError as e:
+        raise ValueError(f"--kv-events-config: {e}") from None
 
 
 @dataclass
@@ -607,7 +625,7 @@ class RunningServer:
         if self.kv is not None:
             await self.kv.close()
         await self.engine.stop()
-        await asyncio.to_thread(self.engine.engine.close)     # the second KV tier's stores end
+        await asyncio.to_thread(self.engine.engine.close)     # the tier's stores end, KV events close
         if self.tracer is not None:         # flushes queued spans (bounded), off the loop
             await asyncio.to_thread(self.tracer.close)
 
@@ -633,6 +651,8 @@ async def start_server(argv: list[str] | None = None, *, host: str | None = None
         runner, url = await start_app(server.app(), host or ns.host, ns.port if port is None else port)
     except BaseException:
         await kv.close()
+        if engine is None:          # ours: let its tier and KV event sockets go
+            await asyncio.to_thread(core.close)
         raise
     tracer = server.tracer = tracing.Tracing(trace_cfg) if trace_cfg else None
     async_engine.start()            # the warm-up first, then the step loop

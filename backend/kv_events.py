@@ -1,0 +1,527 @@
+"""KV cache events in vLLM's wire format: which blocks the engine's prefix cache (and its
+second KV tier) gained and lost, published over ZMQ so that a router can index what each
+engine holds (llm-d's KV-cache indexer, the gateway's `prefix_route`), with a replay socket
+for batches a subscriber missed.
+
+Config: vLLM's `--kv-events-config` JSON, with vLLM's keys and defaults (KVEventsConfig):
+`enable_kv_cache_events` (false), `publisher` ("zmq" when enabled, else "null"), `endpoint`
+("tcp://*:5557"), `replay_endpoint` (none), `buffer_steps` (10000 batches kept for replay),
+`hwm` (100000, the PUB socket's send high-water mark), `max_queue_size` (100000 batches
+waiting for the publisher thread), `topic` (""). A TCP port 0 binds a free port (the log and
+`KVEventPublisher.endpoint` name it). Events are published only when enabled with "zmq".
+
+Sockets: a PUB socket binds the endpoint when it contains `*` or `::` or is `ipc://` or
+`inproc://` (vLLM's rule), or has port 0 (there is nothing to connect to: ours, so that
+`tcp://127.0.0.1:0` binds a free loopback port), and otherwise connects to it (a subscriber
+that binds). With `replay_endpoint`, a ROUTER socket is bound there. The PUB socket is an
+XPUB (the same to subscribers) so that the publisher sees subscriptions arrive:
+`wait_for_subscriptions` lets a subscriber that must not miss the first batch (tests) wait
+until its subscription has reached the socket.
+
+Wire, as vLLM's ZmqEventPublisher: every batch is one 3-frame message
+    [topic (utf-8), seq (8 bytes, big-endian unsigned: 0, 1, 2, ... per publisher), payload]
+and the payload is a msgpack ARRAY (vLLM's msgspec `array_like=True` KVEventBatch)
+    [ts (float, time.time()), events (list), data_parallel_rank (int, always 0)]
+each event an array: its tag (vLLM's class name), then its fields in declaration order:
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
+    ["BlockRemoved", block_hashes, medium]
+`block_hashes` are the prefix cache's own chained xxh64 hashes (unsigned 64-bit ints);
+`parent_block_hash` is the hash of the block before the first, None for a sequence's first
+block; `token_ids` are all the blocks' tokens, `block_size` per block, in order; `lora_id`
+and `lora_name` are always None (no adapters here); `medium` is "GPU" for the device KV cache
+whatever the device (vLLM's name for its primary cache) and "CPU" for the second KV tier
+(vLLM's KV offloading medium).
+
+Which vLLM: the array layout of vLLM from #27577 (late 2025, after 0.11), which appended
+`lora_name` after `medium` (0.10 and 0.11 end BlockStored at `medium`), up to #42892 (June
+2026), after which vLLM encodes each event as a map tagged by "type". We emit the array
+layout, which is what the issue asks for and what llm-d's indexer decodes; with `lora_name`,
+because llm-d's current decoder rejects a BlockStored without it, while decoders of the
+0.10/0.11 layout ignore a trailing field (msgspec skips extra trailing array elements). vLLM's later optional fields (extra_keys, group_idx, ...)
+are left out: they have defaults, so no array-like decoder needs them.
+
+Replay: a client (a DEALER) sends a request whose last frame is an 8-byte big-endian start
+sequence number; the ROUTER answers, for every buffered batch with seq >= start, oldest first,
+    [client identity, b"", seq (8 bytes), payload]
+and then the end marker [client identity, b"", -1 (8 bytes, signed big-endian), b""]. The
+buffer holds the last `buffer_steps` batches; a malformed request gets no answer (as vLLM).
+
+When (KVEventSink: the block manager and the tier record events; the engine publishes them as
+one batch after every step that produced any, and after block manager work it runs between
+steps, such as a KV pull's reservation; no empty batches):
+  * a block entering the device prefix cache: computed (`cache_full_blocks`, including a
+    P/D decode engine's pulled prompt) or loaded from the second tier -> BlockStored "GPU",
+    a sequence's consecutive new blocks in one event;
+  * a cached block handed out for new KV (evicted from the prefix cache) -> BlockRemoved "GPU";
+  * a block queued for copying into the second tier -> BlockStored "CPU": from then on the
+    engine's own prefix lookup counts it a tier hit (a load waits for the copy), so the event
+    says what the engine would serve; a copy that fails leaves an entry the next load drops,
+    and that drop is published;
+  * a tier entry evicted for room, or dropped because its bytes failed their checksum (or
+    its copy failed) -> BlockRemoved "CPU".
+AllBlocksCleared is never sent: vLLM sends it only when its prefix cache is reset
+(`reset_prefix_cache`), not at start, and this engine has no reset. A restarted engine shows
+as its sequence numbers starting again from 0. The warm-up publishes nothing: its blocks are
+never hashed, and at start there is no cached block for it to evict.
+
+Threads: the engine thread only appends to a queue (a full queue drops the batch, counted,
+and its sequence number stays unused, so subscribers see the gap); one publisher thread
+encodes, sends and answers replays. `close()` sends what is queued, then closes the sockets
+with linger 0: it never waits for a subscriber, and there may be none. The sockets live in a
+ZMQ context of their own, ended by `close()`, so the ports are free once it returns (an
+`inproc://` subscriber in the same process uses `KVEventPublisher.context`).
+
+Pure Python and msgpack; ZMQ is imported by the publisher only, so the gateway checks
+`bundled.kv_events_config` with this module without loading it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgpack
+
+log = logging.getLogger("prefixgate.engine")
+
+MEDIUM_GPU = "GPU"          # the device KV cache, whatever the device (vLLM's name)
+MEDIUM_CPU = "CPU"          # the second KV tier (vLLM's KV offloading medium)
+PUBLISHERS = ("null", "zmq")
+SCHEMES = ("tcp", "ipc", "inproc")
+DATA_PARALLEL_RANK = 0      # one engine, one rank
+END_SEQ = (-1).to_bytes(8, "big", signed=True)     # the replay's end marker
+_REPLAY_POLL_S = 0.05       # the longest a replay request waits while no batch is queued
+_CLOSE_TIMEOUT_S = 5.0      # close(): at most this long to send what is queued
+
+
+class KVEventsConfigError(ValueError):
+    """A bad `--kv-events-config`; `key` names the offending key ("" for the whole value)."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}" if key else reason)
+        self.key, self.reason = key, reason
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None        # None: "zmq" when enabled, else "null" (vLLM's rule)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def to_json(self) -> str:
+        """The value of `--kv-events-config` that gives this config."""
+        return json.dumps(dataclasses.asdict(self))
+
+
+_KEYS = tuple(f.name for f in dataclasses.fields(KVEventsConfig))
+_DEFAULT = KVEventsConfig()
+
+
+def parse_kv_events_config(raw: str | dict | None) -> KVEventsConfig | None:
+    """vLLM's `--kv-events-config` (JSON text or a dict) checked; None when not given."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise KVEventsConfigError("", f"not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise KVEventsConfigError("", "must be a JSON object")
+    for key in raw:
+        if key not in _KEYS:
+            raise KVEventsConfigError(str(key), f"unknown key (known: {', '.join(_KEYS)})")
+    enabled = _typed(raw, "enable_kv_cache_events", bool, "a boolean")
+    publisher = _typed(raw, "publisher", str, "a string", "zmq" if enabled else "null")
+    if publisher not in PUBLISHERS:
+        raise KVEventsConfigError("publisher", f"{publisher!r} is not supported (null or zmq)")
+    endpoint = check_endpoint("endpoint", _typed(raw, "endpoint", str, "a string"))
+    replay = _typed(raw, "replay_endpoint", (str, type(None)), "a string or null")
+    if replay is not None:
+        check_endpoint("replay_endpoint", replay)
+        if binds(endpoint) and _address(replay) is not None and _address(replay) == _address(endpoint):
+            raise KVEventsConfigError("replay_endpoint", f"{replay} takes the endpoint's address too; "
+                                                         f"give it another")
+    counts = {key: _typed(raw, key, int, "an integer") for key in ("buffer_steps", "hwm", "max_queue_size")}
+    for key, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+        if counts[key] < least:
+            raise KVEventsConfigError(key, f"must be >= {least}, got {counts[key]}"
+                                      + (" (0: no limit)" if key == "hwm" else ""))
+    return KVEventsConfig(enabled, publisher, endpoint, replay, topic=_typed(raw, "topic", str, "a string"),
+                          **counts)
+
+
+def _typed(raw: dict, key: str, types, what: str, default=None):
+    """`raw[key]` if of `types` (a bool is no integer); absent: `default`, else vLLM's."""
+    if key not in raw:
+        return getattr(_DEFAULT, key) if default is None else default
+    value = raw[key]
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise KVEventsConfigError(key, f"must be {what}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def check_endpoint(key: str, endpoint: str) -> str:
+    """A ZMQ endpoint `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`; KVEventsConfigError names `key`."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or scheme not in SCHEMES or not address:
+        raise KVEventsConfigError(key, f"must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not port.isdigit() or int(port) > 65535:
+            raise KVEventsConfigError(key, f"needs HOST:PORT with a port in 0..65535 (0: a free one), "
+                                           f"got {endpoint!r}")
+    return endpoint
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard or local endpoint is bound, any other connected to; and a port
+    0 is bound (a free port: nothing to connect to)."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or (endpoint.startswith("tcp://") and endpoint.endswith(":0")))
+
+
+# --- several engines on one host (bundled engines) ------------------------------------------
+
+def engine_configs(config: KVEventsConfig, count: int, free_port=None) -> list[KVEventsConfig]:
+    """The configs of `count` engines on one host, so no two bind the same address.
+
+    Engine i moves each endpoint it binds by i times the number of endpoints it binds (as
+    vLLM offsets by data-parallel rank, but with the replay port counted): 5557 and 5558 give
+    engine 1 5559 and 5560, engine 2 5561 and 5562. An ipc path gets "-i"; an endpoint it
+    connects to stays (one subscriber can take every engine's connection). A port 0 stays
+    0 (each engine binds a free one), or becomes `free_port()` when given, so the launcher
+    knows each engine's port; it needs the wildcard host (`tcp://*:0`), since with a port
+    `tcp://HOST:PORT` connects. KVEventsConfigError names the key of a port out of range, an
+    inproc endpoint (another process cannot reach it), a port 0 on a named host, or ports
+    that collide anyway."""
+    keys = [key for key in ("endpoint", "replay_endpoint")
+            if getattr(config, key) is not None and (key == "replay_endpoint" or binds(getattr(config, key)))]
+    for key in keys:
+        endpoint = getattr(config, key)
+        if endpoint.startswith("inproc://") and count > 1:
+            raise KVEventsConfigError(key, "inproc:// reaches only the engine's own process; "
+                                           "use tcp:// or ipc:// for separate engines")
+        if key == "endpoint" and _address(endpoint) is None and "*" not in endpoint and "::" not in endpoint:
+            raise KVEventsConfigError(key, f"{endpoint}: for bundled engines a free port needs the wildcard "
+                                           f"host, tcp://*:0 (given its port, tcp://HOST:PORT connects)")
+    configs, taken = [], {}
+    for i in range(count):
+        moved = {key: _moved(key, getattr(config, key), i, len(keys), free_port) for key in keys}
+        for key, endpoint in moved.items():
+            address = _address(endpoint)
+            if address in taken:
+                other, other_key = taken[address]
+                raise KVEventsConfigError(key, f"engine {i} would bind {endpoint}, the address of engine "
+                                               f"{other}'s {other_key}; leave more ports between them")
+            if address is not None:
+                taken[address] = (i, key)
+        configs.append(dataclasses.replace(config, **moved))
+    return configs
+
+
+def _moved(key: str, endpoint: str, index: int, stride: int, free_port) -> str:
+    """`endpoint` for the `index`-th engine (see engine_configs)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return f"{endpoint}-{index}" if index else endpoint
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return f"tcp://{host}:{free_port()}" if free_port is not None else endpoint
+    port = int(port) + index * stride
+    if port > 65535:
+        raise KVEventsConfigError(key, f"{endpoint} moved up by {index * stride} for engine {index} "
+                                       f"is past port 65535")
+    return f"tcp://{host}:{port}"
+
+
+def _address(endpoint: str) -> str | None:
+    """What two bound endpoints must not share: a TCP port (whatever the host), an ipc path;
+    None for port 0 (a free port each)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint
+    port = address.rpartition(":")[2]
+    return None if port == "0" else f"tcp port {port}"
+
+
+def subscriber_endpoint(endpoint: str, host: str) -> str | None:
+    """Where a subscriber on this host connects to reach a bound `endpoint` (its wildcard
+    host replaced by `host`); None for an endpoint the engine connects to itself."""
+    if not binds(endpoint):
+        return None
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint
+    bound_host, _, port = address.rpartition(":")
+    if bound_host in ("*", "[::]", "::"):
+        bound_host = f"[{host}]" if ":" in host else host
+    return f"tcp://{bound_host}:{port}"
+
+
+# --- events ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str
+    lora_name: str | None
+
+    def wire(self) -> list:
+        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
+                self.lora_id, self.medium, self.lora_name]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str
+
+    def wire(self) -> list:
+        return ["BlockRemoved", self.block_hashes, self.medium]
+
+
+def encode_batch(events: list, ts: float) -> bytes:
+    """One KVEventBatch payload: vLLM's array layout, `[ts, events, data_parallel_rank]`."""
+    return msgpack.packb([ts, [e.wire() for e in events], DATA_PARALLEL_RANK])
+
+
+class KVEventSink:
+    """The events the block manager and the second tier recorded since the engine last took
+    them, in order. A stored block that continues the last BlockStored's chain (same medium)
+    joins it, so a sequence's consecutive new blocks make one event; consecutive removals from
+    one medium make one BlockRemoved."""
+
+    def __init__(self, block_size: int, root_hash: int):
+        self.block_size = block_size
+        self.root_hash = root_hash      # the parent hash of a sequence's first block: sent as None
+        self.events: list[BlockStored | BlockRemoved] = []
+
+    def stored(self, block_hash: int, parent_hash: int, token_ids, medium: str) -> None:
+        """`parent_hash`: the block before it in its sequence (root_hash for a sequence's first)."""
+        parent_hash = None if parent_hash == self.root_hash else parent_hash
+        last = self.events[-1] if self.events else None
+        if (isinstance(last, BlockStored) and last.medium == medium and parent_hash is not None
+                and last.block_hashes[-1] == parent_hash):
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+        else:
+            self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size,
+                                           None, medium, None))
+
+    def removed(self, block_hash: int, medium: str) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash], medium))
+
+    def take(self) -> list[BlockStored | BlockRemoved]:
+        events, self.events = self.events, []
+        return events
+
+
+# --- the publisher -------------------------------------------------------------------------
+
+@dataclass
+class KVEventsStats:
+    published_batches: int = 0
+    published_events: int = 0
+    dropped_batches: int = 0          # the queue was full (the publisher thread fell behind)
+
+
+_STOP = object()
+
+
+class KVEventPublisher:
+    """The PUB socket (and the replay ROUTER) with the thread that feeds them."""
+
+    def __init__(self, config: KVEventsConfig):
+        import zmq      # here: the gateway validates configs with this module and needs no ZMQ
+
+        self._zmq = zmq
+        self.config = config
+        self.stats = KVEventsStats()
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (seq, payload)
+        self._topic = config.topic.encode("utf-8")
+        self._seqs = itertools.count()
+        self._done = threading.Condition()        # counts batches sent or dropped, for flush()
+        self._queued = self._finished = 0
+        self._closed = False
+        # a context of its own: closing it (close()) releases the ports before close returns
+        self.context = ctx = zmq.Context()
+        # XPUB: a PUB socket (subscribers see no difference) that also hands us each subscription
+        self._pub = ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)      # every subscription, not only new topics
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self.subscriptions = 0                          # subscriptions that reached the socket
+        self._subscribed = threading.Condition()
+        self._replay = None
+        try:
+            self.endpoint = self._open(self._pub, "endpoint", config.endpoint, bind=binds(config.endpoint))
+            self.replay_endpoint = None
+            if config.replay_endpoint is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                # a whole replay is queued at once: room for the buffer and the end marker
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
+                self.replay_endpoint = self._open(self._replay, "replay_endpoint", config.replay_endpoint,
+                                                  bind=True)
+        except KVEventsConfigError:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="prefixgate-kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events: publishing on %s (topic %r)%s", self.endpoint, config.topic,
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
+
+    def _open(self, sock, key: str, endpoint: str, bind: bool) -> str:
+        """Bind or connect `sock`; the address it got (a bound port 0 becomes the real one)."""
+        try:
+            if not bind:
+                sock.connect(endpoint)
+                return endpoint
+            sock.bind(endpoint)
+        except self._zmq.ZMQError as e:
+            why = self._zmq.strerror(e.errno)
+            raise KVEventsConfigError(key, f"{endpoint}: cannot {'bind' if bind else 'connect'} ({why})") from None
+        return sock.getsockopt_string(self._zmq.LAST_ENDPOINT)
+
+    # --- the engine thread ---------------------------------------------------------------
+
+    def publish(self, events: list) -> None:
+        """Queue one batch; never blocks (a full queue drops it and leaves its seq unused)."""
+        if self._closed or not events:
+            return
+        seq = next(self._seqs)
+        with self._done:
+            self._queued += 1
+        try:
+            self._queue.put_nowait((seq, time.time(), events))
+        except queue.Full:
+            self.stats.dropped_batches += 1
+            if self.stats.dropped_batches % 1000 == 1:
+                log.warning("KV events: the publisher fell %d batches behind; dropped batch %d "
+                            "(%d dropped so far)", self.config.max_queue_size, seq, self.stats.dropped_batches)
+            self._finish_one()
+
+    def wait_for_subscriptions(self, count: int, timeout: float = _CLOSE_TIMEOUT_S) -> bool:
+        """Wait until `count` subscriptions in all have reached the PUB socket; batches sent
+        from then on reach their subscribers (ZMQ drops what it sends a subscriber whose
+        subscription is still on its way: the slow-joiner problem). False on timeout."""
+        with self._subscribed:
+            return self._subscribed.wait_for(lambda: self.subscriptions >= count, timeout)
+
+    def flush(self, timeout: float = _CLOSE_TIMEOUT_S) -> bool:
+        """Wait until every batch published so far is sent (or dropped); False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: self._finished >= self._queued, timeout)
+
+    def close(self) -> None:
+        """Send what is queued (bounded), stop the thread, close the sockets (linger 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        try:
+            self._queue.put(_STOP, timeout=_CLOSE_TIMEOUT_S)
+        except queue.Full:
+            pass                        # the thread is stuck: the join below says so
+        self._thread.join(_CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():     # sockets are the thread's: never close them under it
+            log.warning("KV events: the publisher thread did not stop; leaving its sockets to exit")
+            return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self.context.term()
+
+    # --- the publisher thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Send queued batches as they come; between them (and at least every 50 ms) take in
+        subscriptions and answer replay requests."""
+        while True:
+            try:
+                item = self._queue.get(timeout=_REPLAY_POLL_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            if item is not None:
+                self._send(*item)
+            self._take_subscriptions()
+            self._serve_replays()
+
+    def _send(self, seq: int, ts: float, events: list) -> None:
+        try:
+            payload = encode_batch(events, ts)
+            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+            self._buffer.append((seq, payload))
+            self.stats.published_batches += 1
+            self.stats.published_events += len(events)
+        except Exception:       # a failed send costs subscribers that batch, not the engine
+            log.exception("KV events: sending batch %d failed", seq)
+        finally:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        with self._done:
+            self._finished += 1
+            self._done.notify_all()
+
+    def _take_subscriptions(self) -> None:
+        """Count the subscriptions the XPUB socket has applied (a message of byte 1 and the
+        topic; an unsubscription starts with byte 0)."""
+        while self._pub.poll(0):
+            if self._pub.recv()[:1] == b"\x01":
+                with self._subscribed:
+                    self.subscriptions += 1
+                    self._subscribed.notify_all()
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        while sock is not None and sock.poll(0):
+            try:
+                frames = sock.recv_multipart()
+                self._replay_from(frames[0], frames[-1])
+            except Exception:
+                log.exception("KV events: a replay request failed")
+
+    def _replay_from(self, client: bytes, start: bytes) -> None:
+        if len(start) != 8:
+            log.warning("KV events: a replay request's last frame must be an 8-byte start seq, got %d bytes",
+                        len(start))
+            return
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([client, b"", END_SEQ, b""])
