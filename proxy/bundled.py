@@ -1,4 +1,11 @@
-"""Standalone mode: launch the bundled engine as child processes and proxy to them."""
+"""Standalone mode: launch the bundled engine as child processes and proxy to them.
+
+With `bundled.kv_events_config` every engine gets `--kv-events-config` with ports of its own
+(backend/kv_events.py `engine_configs`: engine i moves each port it binds by i times the
+number it binds, so 5557/5558 become 5559/5560 for engine 1; a port 0 becomes a free port
+chosen here), and `kv_events_endpoints` / `kv_events_replay_endpoints` say where a subscriber
+on the gateway's host reaches each engine's sockets.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +13,7 @@ import json
 import socket
 import sys
 
+from prefixgate.backend.kv_events import engine_configs, parse_kv_events_config, subscriber_endpoint
 from prefixgate.proxy.server import wait_ready
 from prefixgate.proxy.upstream import check_upstreams
 
@@ -27,30 +35,50 @@ class BundledEngines:
         # ports are chosen up front so the gateway (and its plugins) can be built first
         self.ports = [free_port(cfg["host"]) for _ in self.roles]
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
+        self.kv_events = self._kv_events_configs()          # per engine; None: no KV events
+        # where a subscriber on the gateway's host reaches each engine's sockets (None: not published)
+        self.kv_events_endpoints = [self._reachable(c, "endpoint") for c in self.kv_events]
+        self.kv_events_replay_endpoints = [self._reachable(c, "replay_endpoint") for c in self.kv_events]
+
+    def _kv_events_configs(self) -> list:
+        config = parse_kv_events_config(self.cfg.get("kv_events_config"))   # checked with the config
+        if config is None:
+            return [None] * len(self.roles)
+        return engine_configs(config, len(self.roles), free_port=lambda: free_port(self.cfg["host"]))
+
+    def _reachable(self, config, key: str) -> str | None:
+        endpoint = getattr(config, key) if config is not None and config.publishes else None
+        return subscriber_endpoint(endpoint, self.cfg["host"]) if endpoint else None
 
     def upstream_configs(self, timeouts: dict) -> list[dict]:
-        """The engines as `upstreams:` entries, with every default filled in."""
+        """The engines as `upstreams:` entries, with every default filled in (and, when they
+        publish KV events with a replay socket, where to subscribe)."""
         raw = [{"name": f"{role}{i}" if role != "both" else f"engine{i}", "url": url,
                 "role": role} for i, (url, role) in enumerate(zip(self.urls, self.roles))]
+        for entry, config, pub, replay in zip(raw, self.kv_events, self.kv_events_endpoints,
+                                              self.kv_events_replay_endpoints):
+            if pub and replay and pub.startswith("tcp://"):     # prefix_route's `index: kv_events` subscribes to these
+                entry["kv_events"] = {"endpoint": pub, "replay_endpoint": replay, "topic": config.topic}
         return check_upstreams(raw, timeouts)
 
     async def start(self) -> None:
         """Launch the engines and wait until each one's /health says 200, which is after its
         warm-up (wait_ready takes the 503 meanwhile, like a refused connection, as "not yet")."""
-        for port, role in zip(self.ports, self.roles):
+        for i, (port, role) in enumerate(zip(self.ports, self.roles)):
             cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
                    "--host", self.cfg["host"], "--port", str(port), "--role", role,
-                   *self.engine_args()]
+                   *self.engine_args(i)]
             self.procs.append(await asyncio.create_subprocess_exec(*cmd))
         await asyncio.gather(*(
             wait_ready(url, "/health", self.cfg["startup_timeout_s"], proc,
                        what=f"bundled engine at {url}", interval=0.25)
             for proc, url in zip(self.procs, self.urls)))
 
-    def engine_args(self) -> list[str]:
-        """`bundled.args`, `bundled.speculative_config`, `load_format` and `kv_offloading_*` as
-        their flags, and the gateway's collector for the engines' own spans (their `llm_request`
-        spans join the gateway's traces), each unless the args name it."""
+    def engine_args(self, index: int = 0) -> list[str]:
+        """Engine `index`'s flags: `bundled.args`, `bundled.speculative_config`, `load_format`,
+        `kv_offloading_*` and its own `kv_events_config` as their flags, and the gateway's
+        collector for the engines' own spans (their `llm_request` spans join the gateway's
+        traces), each unless the args name it."""
         args = [str(a) for a in self.cfg["args"]]
         load_format = self.cfg.get("load_format", "mmap")
         if load_format != "mmap" and "--load-format" not in args:     # mmap: the engine's default
@@ -61,6 +89,8 @@ class BundledEngines:
                           ("kv_offloading_path", "--kv-offloading-path")):
             if self.cfg.get(key) and flag not in args:
                 args += [flag, str(self.cfg[key])]
+        if self.kv_events[index] is not None and "--kv-events-config" not in args:
+            args += ["--kv-events-config", self.kv_events[index].to_json()]
         if self.tracing is not None and "--otlp-traces-endpoint" not in args:
             args += ["--otlp-traces-endpoint", self.tracing["otlp_endpoint"],
                      "--otlp-service-name", f"{self.tracing['service_name']}-engine"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from prefixgate.backend.kv_events import KVEventsConfigError, engine_configs, parse_kv_events_config
 from prefixgate.backend.spec_decode import SpecConfigError, parse_speculative_config
 from prefixgate.proxy import access_log, auth, discovery, health, pd, tracing
 from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, one_of, positive
@@ -55,6 +56,9 @@ TOP = {
         "args": Key(list, list),               # extra `prefixgate backend` flags
         # vLLM's speculative_config (prompt lookup): passed as --speculative-config
         "speculative_config": Key(dict, None),
+        # vLLM's kv_events_config: passed as --kv-events-config, each engine on its own ports
+        # (backend/kv_events.py engine_configs; a port 0: a free port per engine)
+        "kv_events_config": Key(dict, None),
         # --load-format: mmap (page in on use, share the page cache) or eager (read before
         # ready); backend/loader.py's LOAD_FORMATS, not imported here (it would import torch)
         "load_format": Key(str, "mmap", one_of("mmap", "eager")),
@@ -138,12 +142,23 @@ def _bundled(cfg: dict) -> dict | None:
     if bool(b["prefill"]) != bool(b["decode"]):
         raise ConfigError("bundled", "prefill and decode go together (e.g. prefill: 1, "
                                      "decode: 1): a P/D pair needs both")
+    _check_kv_events(b["kv_events_config"], b["prefill"] + b["decode"] or b["instances"])
     if b["prefill"]:
         if cfg["pd"] is None:
             cfg["pd"] = {"protocol": "prefixgate"}
         return {**b, "instances": b["prefill"] + b["decode"],
                 "roles": ["prefill"] * b["prefill"] + ["decode"] * b["decode"]}
     return {**b, "roles": ["both"] * b["instances"]}
+
+
+def _check_kv_events(raw: dict | None, num_engines: int) -> None:
+    """`bundled.kv_events_config` as the engines will take it, each with its own ports."""
+    try:
+        config = parse_kv_events_config(raw)
+        if config is not None:
+            engine_configs(config, num_engines)
+    except KVEventsConfigError as e:
+        raise ConfigError("bundled.kv_events_config" + (f".{e.key}" if e.key else ""), e.reason) from None
 
 
 def _models(cfg: dict) -> dict[str, dict]:
