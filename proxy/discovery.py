@@ -10,10 +10,15 @@ so `prefix_route`'s hash ring agrees across replicas.
       port: 8000
       interval_s: 5
       max_inflight: 128            # any upstream setting: applies to each discovered one
+      kv_events: {endpoint: "tcp://*:5557", replay_endpoint: "tcp://*:5558"}   # * = each address
 
 A failed lookup (or an empty answer) keeps the last known set: a DNS hiccup must not take
 the whole fleet out of rotation, and an upstream that really left is skipped by the health
 checks until the next good answer removes it.
+
+`kv_events` is a template: its endpoints name the host `*` (as the engines' own
+`--kv-events-config` binds them), and each discovered upstream connects to its own address
+on those ports.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Awaitable, Callable
 
 from prefixgate.proxy.server import cancel_and_wait
 from prefixgate.proxy.spec import ConfigError, Key, check, one_of, positive
-from prefixgate.proxy.upstream import UPSTREAM
+from prefixgate.proxy.upstream import KV_EVENTS, UPSTREAM, tcp_endpoint
 
 log = logging.getLogger("prefixgate.discovery")
 
@@ -38,6 +43,11 @@ SPEC = {
     "interval_s": Key((int, float), 5.0, positive),
     "family": Key(str, "any", one_of("any", "ipv4", "ipv6")),
     **{k: v for k, v in UPSTREAM.items() if k not in ("name", "url")},
+    "kv_events": Key(dict, None, nested={
+        **KV_EVENTS,
+        "endpoint": Key(str, check=lambda e: tcp_endpoint(e, host="*")),
+        "replay_endpoint": Key(str, check=lambda e: tcp_endpoint(e, host="*")),
+    }),
 }
 FAMILIES = {"any": socket.AF_UNSPEC, "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}
 
@@ -113,4 +123,7 @@ class Discovery:
         up = {k: cfg[k] for k in UPSTREAM if k not in ("name", "url")}
         up["name"] = f"{host}:{cfg['port']}"
         up["url"] = f"{cfg['scheme']}://{host}:{cfg['port']}"
+        if up["kv_events"] is not None:         # the template's `*` is this address
+            up["kv_events"] = {k: v.replace("tcp://*:", f"tcp://{host}:") if k.endswith("endpoint")
+                               else v for k, v in up["kv_events"].items()}
         return up

@@ -1,6 +1,7 @@
 """One backend server and its keep-alive connection pool; the `upstreams:` keys."""
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import aiohttp
@@ -12,6 +13,31 @@ TIMEOUTS = {
     "connect": Key((int, float), 5.0, positive),
     "first_byte": Key((int, float), 120.0, positive),   # long prompts queue; vLLM can take a while
     "idle": Key((int, float), 60.0, positive),          # longest gap between two streamed chunks
+}
+
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.%\w]+\]|[^:/\[\]\s]+):(\d+)")
+
+
+def tcp_endpoint(endpoint: str, host: str | None = None) -> str | None:
+    """Why `endpoint` is not `tcp://HOST:PORT` (with `host`: that very host), else None."""
+    m = _TCP.fullmatch(endpoint)
+    want = f"tcp://{host or 'host'}:port"
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        return f"must be {want} (got {endpoint!r})"
+    if host is not None and m.group(1) != host:
+        return f"must be {want}: the host is each discovered address (got {endpoint!r})"
+    if host is None and m.group(1) == "*":
+        return f"must be {want}: the engine's address to connect to, not the * it binds (got {endpoint!r})"
+    return None
+
+
+# The engine's KV event publisher (vLLM's --kv-events-config; prefix_route `index: kv_events`,
+# plugins/prefix_route/kv_subscriber.py). The replay socket is required: it is how the
+# gateway catches up at start, fills gaps and learns that the publisher is alive.
+KV_EVENTS = {
+    "endpoint": Key(str, check=tcp_endpoint),          # its PUB socket: tcp://host:5557
+    "replay_endpoint": Key(str, check=tcp_endpoint),   # its ROUTER socket: tcp://host:5558
+    "topic": Key(str, ""),                             # "": every topic
 }
 
 UPSTREAM = {
@@ -36,6 +62,7 @@ UPSTREAM = {
     # `bootstrap_port` (null: SGLang's default port)
     "bootstrap_port": Key((int, type(None)), None,
                           lambda p: None if 0 < p < 65536 else "must be 1..65535"),
+    "kv_events": Key(dict, None, nested=KV_EVENTS),
 }
 
 

@@ -24,11 +24,26 @@ as `least_inflight`. Two policies:
 Load is the gateway's in-flight count per upstream or, with `poll_metrics_s`, the backends'
 own running + waiting counts (`load_poll.py`), which all gateway replicas see alike.
 
+`index` — where cache_aware's matches come from. `approximate` (the default): the index of
+  what this gateway sent where. `kv_events`: what each engine says it holds, from the KV
+  events it publishes (vLLM's `--kv-events-config`; per upstream `kv_events:` in
+  proxy/upstream.py), kept by `kv_subscriber.py` in the exact index (`kv_index.py`). An
+  upstream is matched from the exact index only while its feed is live; the others (no
+  `kv_events`, a publisher that is down, silent, or being resynced) from the approximate one,
+  which keeps being fed for all of them, so falling back costs nothing. The exact index is
+  keyed by token ids through the gateway's own chain, so it needs token keys (`prerender`:
+  the gateway tokenizes as the engines do) and the engines' block size equal to
+  `block_tokens`; a request keyed on text is matched from the approximate index alone.
+
 Per model: upstreams that do not serve the request's model are filtered out before scoring;
 the chwbl key is mixed with the model's name and cache_aware keeps one index per model (at
 most MAX_MODELS, least recently used out), so two models — a base model and its LoRA adapter
 on the same vLLM, whose KV blocks differ — never share a ring key or an index entry. The
-block hashes themselves stay the engine's.
+block hashes themselves stay the engine's. The exact index is one for all models: an engine's
+events describe its own cache, of its own model, and upstreams that do not serve the
+request's model were filtered out already; LoRA adapters' blocks are not indexed
+(kv_index.py), and a request for a model an upstream lists as an adapter is matched on that
+upstream from the approximate index.
 """
 from __future__ import annotations
 
@@ -41,7 +56,8 @@ import xxhash
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from prefixgate.proxy.spec import Key, non_negative, one_of, positive
+from prefixgate.proxy.spec import ConfigError, Key, non_negative, one_of, positive
+from prefixgate.plugins.prefix_route.kv_subscriber import KVEventFeeds
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
 from prefixgate.proxy.plugin import Plugin
 
@@ -64,6 +80,9 @@ def _fraction(v):
 
 SPEC = {
     "policy": Key(str, "chwbl", one_of("chwbl", "cache_aware")),
+    "index": Key(str, "approximate", one_of("approximate", "kv_events")),   # cache_aware's
+    "kv_events_probe_s": Key((int, float), 2.0, positive),   # a silent feed is probed this often
+    "kv_events_timeout_s": Key((int, float), 1.0, positive),  # unanswered this long: not live
     "block_tokens": Key(int, 16, positive),       # vLLM's default KV block size
     "block_bytes": Key(int, 64, positive),        # text fallback: ~16 tokens of English
     "max_blocks": Key(int, 512, positive),        # blocks hashed per request (8k tokens)
@@ -102,6 +121,8 @@ class PrefixRoute(Plugin):
         # model -> its PrefixIndex (cache_aware only)
         self.indexes: LRU | None = LRU(MAX_MODELS) if self.policy == "cache_aware" else None
         self.poller = LoadPoller(gw, c["poll_metrics_s"]) if c["poll_metrics_s"] else None
+        self.feeds = self._kv_event_feeds(gw) if c["index"] == "kv_events" else None
+        self._adapter_ids: dict[str, tuple] = {}     # upstream -> (its model cards, adapter ids)
         self._members = None          # the gw.upstreams list the ring was built from
         self._ring: HashRing | None = None
         self._weights: dict[str, float] = {}
@@ -118,14 +139,29 @@ class PrefixRoute(Plugin):
         self._outcomes: dict[str, object] = {}
         gw.registry.register(_RouteCollector(self))
 
+    def _kv_event_feeds(self, gw) -> KVEventFeeds:
+        c = self.cfg
+        if self.policy != "cache_aware":
+            raise ConfigError("index", "kv_events needs policy: cache_aware (chwbl keeps no index)")
+        if not any(_plugin_name(item) == "prerender" for item in gw.config.get("plugins", ())):
+            raise ConfigError("index", "kv_events needs token-id keys: add the `prerender` plugin "
+                                       "and `model.tokenizer` (or `models.<name>.tokenizer`), the "
+                                       "engines' own tokenizer and chat template")
+        return KVEventFeeds(gw, c["block_tokens"], c["index_capacity"], c["kv_events_probe_s"],
+                            c["kv_events_timeout_s"])
+
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         if self.poller is not None:
             await self.poller.start()
+        if self.feeds is not None:
+            await self.feeds.start()
 
     async def close(self) -> None:
         if self.poller is not None:
             await self.poller.close()
+        if self.feeds is not None:
+            await self.feeds.close()
 
     # --- load ----------------------------------------------------------------------------------
     def load(self, up) -> float:
@@ -233,7 +269,7 @@ class PrefixRoute(Plugin):
     def _score_cache_aware(self, ctx, keys: Keys, upstreams):
         c = self.cfg
         n = len(keys.chain)
-        matched = keys.matched = self._index(ctx.model).match(keys.chain)
+        matched = keys.matched = self._match(ctx, keys, upstreams)
         loads = self._loads(upstreams)
         lightest = min(loads.values())
         abs_t, rel_t = c["balance_abs_threshold"], c["balance_rel_threshold"]
@@ -255,6 +291,33 @@ class PrefixRoute(Plugin):
             return {u: m / n - 1e-9 * loads[u] for u, m in good}
         outcome = "balance" if excluded > best and excluded / n >= c["cache_threshold"] else "new"
         return self._least_loaded(ctx, upstreams, outcome, loads, matched)
+
+    def _match(self, ctx, keys: Keys, upstreams) -> dict[str, int]:
+        """Leading blocks of the prompt each upstream holds: from its engine's KV events while
+        its feed is live, else from what this gateway sent there."""
+        matched = self._index(ctx.model).match(keys.chain)
+        feeds = self.feeds
+        if feeds is None or not feeds.live or keys.mode != "tokens":
+            return matched              # the exact index is keyed by token blocks only
+        live, exact = feeds.live, feeds.index.match(keys.chain)
+        for u in upstreams:
+            name = u.name
+            if name in live and ctx.model not in self._adapters(u):
+                m = exact.get(name)
+                if m:
+                    matched[name] = m
+                else:
+                    matched.pop(name, None)
+        return matched
+
+    def _adapters(self, up) -> frozenset:
+        """The LoRA adapters `up` lists (their blocks are not in the exact index)."""
+        cards = up.model_cards
+        seen = self._adapter_ids.get(up.name)
+        if seen is None or seen[0] is not cards:
+            ids = frozenset(c.get("id") for c in cards or () if c.get("parent"))
+            seen = self._adapter_ids[up.name] = (cards, ids)
+        return seen[1]
 
     def _least_loaded(self, ctx, upstreams, outcome, loads=None, matched=None):
         """The least loaded upstreams (not saturated); among them a partial match wins."""
@@ -278,6 +341,9 @@ class PrefixRoute(Plugin):
         self._ring = HashRing(sorted(self._weights.items()), self.cfg["virtual_nodes"])
         for index in (self.indexes or {}).values():
             index.retain(self._weights)
+        if self.feeds is not None:
+            self.feeds.reconcile(ups)
+            self._adapter_ids = {n: v for n, v in self._adapter_ids.items() if n in self._weights}
 
     # --- after the choice ----------------------------------------------------------------------
     def on_first_byte(self, ctx) -> None:
@@ -337,12 +403,16 @@ def ring_position(key: int, model: str | None) -> int:
     return key if model is None else key ^ _model_salt(model)
 
 
+def _plugin_name(item) -> str:
+    return item if isinstance(item, str) else next(iter(item), "") if isinstance(item, dict) else ""
+
+
 def _has_dynamic(body: dict, spans: DynamicSpans) -> bool:
     return any(spans.first(p) >= 0 for p in render_parts(body))
 
 
 class _RouteCollector:
-    """Index size and load per upstream, read at scrape time."""
+    """Index size and load per upstream (and the KV event feeds), read at scrape time."""
 
     def __init__(self, plugin: PrefixRoute):
         self.plugin = plugin
@@ -361,3 +431,5 @@ class _RouteCollector:
             for u in p.gw.upstreams:
                 size.add_metric([u.name], sum(i.size(u.name) for i in p.indexes.values()))
             yield size
+        if p.feeds is not None:
+            yield from p.feeds.collect()

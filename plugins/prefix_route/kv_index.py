@@ -1,0 +1,243 @@
+"""The exact prefix index: what each engine says its KV cache holds, from its KV events.
+
+Engines (vLLM with `--kv-events-config`, the bundled engine) publish `BlockStored` /
+`BlockRemoved` / `AllBlocksCleared` events (`decode_batch` reads vLLM's msgpack layouts:
+the array-like one, `[ts, events, data_parallel_rank]` with each event `[tag, fields...]`,
+and the map one of newer vLLM, `{"ts", "events", ...}` with each event `{"type": tag, ...}`).
+
+An engine's block hashes depend on its hash function and seed (vLLM: sha256 or a seeded
+hash; ours: xxh64), so they cannot be compared with the gateway's keys. Instead each stored
+block is keyed by its event's `token_ids` run through the gateway's own chain
+(`prefix_keys.block_hash_chain`, continued from the parent block's key): the same key
+`prefix_route` computes for a prompt with those tokens. That needs the engine's block size
+to equal `block_tokens` (an event with another block size is ignored and counted) and the
+parent of a stored run to be known (its `BlockStored` came first, or it is the root); a run
+whose parent was never seen is ignored and counted (`orphans`). The engine's hash of each
+block is kept only to apply `BlockRemoved`.
+
+Media: a block held on the device ("GPU") and in a second tier ("CPU", vLLM's offloading
+medium) counts as held until both have removed it; events without a medium count as GPU.
+Blocks of LoRA adapters (`lora_id` set) are not indexed: their KV differs from the base
+model's for the same tokens, and the gateway's keys do not carry the adapter.
+
+Memory: at most `capacity` blocks per engine; past that the least recently stored go (the
+engine will have evicted them first too, most likely). As in `prefix_index.py`, one dict maps
+a key to a bit mask of the engines holding it, so a lookup costs one probe per matched block
+whatever the number of engines.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgpack
+
+from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain
+
+MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # bits of the media a block is held in
+OTHER_MEDIUM = 4                          # a medium we do not know (disk, ...): still held
+
+
+@dataclass(slots=True)
+class Stored:
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+@dataclass(slots=True)
+class Removed:
+    block_hashes: list
+    medium: str | None
+
+
+class Cleared:
+    __slots__ = ()
+
+
+class EventFormatError(ValueError):
+    """A payload that is not a KVEventBatch in either of vLLM's layouts."""
+
+
+def decode_batch(payload: bytes) -> list[Stored | Removed | Cleared]:
+    """The events of one msgpack KVEventBatch (unknown event types are skipped)."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise EventFormatError(f"not msgpack: {e}") from None
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        events = batch[1]
+    elif isinstance(batch, dict) and "events" in batch:
+        events = batch["events"]
+    else:
+        raise EventFormatError("not a KVEventBatch: expected [ts, events, ...] or {ts, events}")
+    if not isinstance(events, list):
+        raise EventFormatError("a KVEventBatch's events must be a list")
+    return [e for e in map(_event, events) if e is not None]
+
+
+def _event(raw) -> Stored | Removed | Cleared | None:
+    if isinstance(raw, dict):
+        tag, get = raw.get("type"), raw.get
+    elif isinstance(raw, (list, tuple)) and raw:
+        tag, fields = raw[0], raw[1:]
+        names = _FIELDS.get(tag, ())
+        get = dict(zip(names, fields)).get
+    else:
+        raise EventFormatError(f"not a KV event: {raw!r:.80}")
+    if tag == "BlockStored":
+        return Stored(list(get("block_hashes") or ()), get("parent_block_hash"),
+                      list(get("token_ids") or ()), int(get("block_size") or 0),
+                      get("lora_id"), get("medium"))
+    if tag == "BlockRemoved":
+        return Removed(list(get("block_hashes") or ()), get("medium"))
+    if tag == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                           "lora_id", "medium"),
+           "BlockRemoved": ("block_hashes", "medium")}
+
+
+def _bit(medium: str | None) -> int:
+    return MEDIA.get(medium, OTHER_MEDIUM)
+
+
+@dataclass
+class EngineBlocks:
+    """One engine's blocks: gateway key -> [media bits, engine hash], least recent first."""
+    keys: OrderedDict = field(default_factory=OrderedDict)
+    key_of: dict = field(default_factory=dict)          # engine block hash -> gateway key
+    stored: int = 0                                     # blocks indexed from BlockStored
+    ignored: int = 0                                    # blocks of runs that could not be keyed
+
+
+class KVEventIndex:
+    def __init__(self, block_tokens: int, capacity: int):
+        self.block_tokens = block_tokens
+        self.capacity = capacity
+        self.engines: dict[str, EngineBlocks] = {}
+        self._holders: dict[int, int] = {}              # gateway key -> bit mask of engines
+        self._bit: dict[str, int] = {}
+        self._free_bits: list[int] = []
+
+    def size(self, name: str) -> int:
+        e = self.engines.get(name)
+        return len(e.keys) if e is not None else 0
+
+    def apply(self, name: str, events) -> None:
+        """Apply one batch of `name`'s events, in order."""
+        engine = self.engines.get(name) or self._add(name)
+        for event in events:
+            if isinstance(event, Stored):
+                self._stored(name, engine, event)
+            elif isinstance(event, Removed):
+                bit = _bit(event.medium)
+                for h in event.block_hashes:
+                    self._drop(name, engine, engine.key_of.get(h), bit)
+            elif isinstance(event, Cleared):
+                self.clear(name)
+                engine = self.engines[name]
+            else:
+                raise TypeError(f"not a decoded KV event: {event!r:.80}")
+
+    def clear(self, name: str) -> None:
+        """Forget everything `name` holds (AllBlocksCleared, a restarted publisher, a gap that
+        replay could not fill); it stays known, empty."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        flag = 1 << self._bit[name]
+        for key in engine.keys:
+            self._unhold(key, flag)
+        # the counts go on (they are metrics' counters); only the blocks are forgotten
+        self.engines[name] = EngineBlocks(stored=engine.stored, ignored=engine.ignored)
+
+    def remove(self, name: str) -> None:
+        """Forget an engine that left (its bit is reused by the next one to join)."""
+        if name in self.engines:
+            self.clear(name)
+            del self.engines[name]
+            self._free_bits.append(self._bit.pop(name))
+
+    def retain(self, names) -> None:
+        for name in [n for n in self.engines if n not in names]:
+            self.remove(name)
+
+    def match(self, chain: list[int]) -> dict[str, int]:
+        """Leading blocks of `chain` each engine holds (only engines with at least one)."""
+        holders = self._holders
+        alive = holders.get(chain[0], 0) if chain else 0
+        if not alive:
+            return {}
+        out: dict[str, int] = {}
+        n = 1
+        for n in range(1, len(chain) + 1):
+            mask = holders.get(chain[n], 0) if n < len(chain) else 0
+            ended = alive & ~mask
+            if ended:
+                for name, bit in self._bit.items():
+                    if ended >> bit & 1:
+                        out[name] = n
+                alive &= mask
+                if not alive:
+                    break
+        return out
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _add(self, name: str) -> EngineBlocks:
+        self._bit[name] = self._free_bits.pop() if self._free_bits else len(self._bit)
+        engine = self.engines[name] = EngineBlocks()
+        return engine
+
+    def _stored(self, name: str, engine: EngineBlocks, ev: Stored) -> None:
+        n = len(ev.block_hashes)
+        parent = ROOT_HASH if ev.parent_block_hash is None else engine.key_of.get(ev.parent_block_hash)
+        if (ev.lora_id is not None or ev.block_size != self.block_tokens or parent is None
+                or len(ev.token_ids) != n * ev.block_size):
+            engine.ignored += n
+            return
+        bit, flag = _bit(ev.medium), 1 << self._bit[name]
+        keys = block_hash_chain(ev.token_ids, ev.block_size, parent=parent)
+        # tail first, so a block is more recent than its parent and capacity takes tails first:
+        # what is left of a prefix stays matchable from its head
+        for h, key in zip(reversed(ev.block_hashes), reversed(keys)):
+            entry = engine.keys.get(key)
+            if entry is None:
+                engine.keys[key] = [bit, h]
+                self._holders[key] = self._holders.get(key, 0) | flag
+            else:
+                entry[0] |= bit
+                if entry[1] != h:               # the same tokens, stored again under a new hash
+                    engine.key_of.pop(entry[1], None)
+                    entry[1] = h
+                engine.keys.move_to_end(key)
+            engine.key_of[h] = key
+        engine.stored += n
+        while len(engine.keys) > self.capacity:
+            key, (_, h) = engine.keys.popitem(last=False)
+            engine.key_of.pop(h, None)
+            self._unhold(key, flag)
+
+    def _drop(self, name: str, engine: EngineBlocks, key: int | None, bit: int) -> None:
+        entry = engine.keys.get(key) if key is not None else None
+        if entry is None:
+            return
+        entry[0] &= ~bit
+        if not entry[0]:
+            del engine.keys[key]
+            engine.key_of.pop(entry[1], None)
+            self._unhold(key, 1 << self._bit[name])
+
+    def _unhold(self, key: int, flag: int) -> None:
+        mask = self._holders.get(key, 0) & ~flag
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
