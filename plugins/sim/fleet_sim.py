@@ -10,10 +10,19 @@ blocks, chained hashes, LRU reuse of freed blocks) and serves with a simple cost
 Routing is a real `Gateway` built from a config with the chosen plugin (`round_robin`,
 `least_inflight`, `prefix_route` chwbl / cache_aware): the same `pick()` and scorer classes
 the server runs, with in-flight counts kept as the simulated requests start and finish.
+Two more policies run the same cache_aware scorer with another index (`route_indexes.py`):
+`exact`, fed by the engines' KV events (`engine_events.py`), which reach every gateway
+replica `event_delay_s` after the engine changed its cache; and `oracle`, which asks the
+engines' block managers directly.
+
+Gateway replicas: a load balancer hands each request to one replica, in turn or at random;
+each routes with its own state (its own cache_aware index; the exact indexes subscribe to
+every engine, so they all learn everything).
 
 Reported per policy: token cache hit rate and its ratio to an infinite cache shared by all
-backends (the oracle), TTFT p50/p95/p99, load imbalance (max/mean over backends of requests
-served and of prefill busy time), and the routing decision's cost.
+backends (`oracle_hit_rate`: a bound no finite fleet reaches, unlike the `oracle` policy),
+TTFT p50/p95/p99, load imbalance (max/mean over backends of requests served and of prefill
+busy time), and the routing decision's cost.
 
     python -m prefixgate.plugins.sim.fleet_sim --backends 8 --requests 100000
 """
@@ -36,9 +45,17 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import validate
 from prefixgate.proxy.context import RequestContext
 
+from prefixgate.plugins.prefix_route.kv_index import decode_batch
+from prefixgate.plugins.sim.engine_events import encode, record
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
 
-POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware")
+POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware", "exact", "oracle")
+INDEXED = ("exact", "oracle")        # cache_aware's scorer with another index
+# an engine publishes a step's events as the step ends, and ZMQ carries them in well under a
+# millisecond: the gateway learns of a cached block about one engine step after it was stored
+EVENT_DELAY_S = 0.005
+PREFILLED, FINISHED, EVENTS = range(3)      # what a heap entry is
 
 
 @dataclass
@@ -55,6 +72,8 @@ class CostModel:
 def plugins_for(policy: str, cost: CostModel, route: dict | None = None) -> list:
     if policy in ("round_robin", "least_inflight"):
         return [policy]
+    if policy in INDEXED:
+        policy = "cache_aware"
     if policy not in ("chwbl", "cache_aware"):
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
     # the index remembers as many blocks as a backend's KV cache holds
@@ -93,20 +112,22 @@ class Backend:
         self.running = 0
         self.served = 0
         self.busy_s = 0.0
+        self.kv_events = None           # the engine's KV event sink (exact policy only)
 
 
 class FleetSim:
     def __init__(self, backends: int, policy: str, trace: TraceConfig, cost: CostModel | None = None,
                  route: dict | None = None, seed: int = 0, replicas: int = 1,
-                 shared_load: bool = False):
+                 shared_load: bool = False, balancer: str = "turns",
+                 event_delay_s: float = EVENT_DELAY_S, measure_agreement: bool = True):
         self.cost = cost or CostModel()
         self.trace_cfg = trace
         self.policy = policy
         self.bt = trace.block_tokens
         random.seed(seed)                              # the gateway's tie-breaks
-        # Gateway replicas take requests in turn, each with its own view of the load: only its
-        # own requests (local in-flight counts) or, with shared_load, every replica's (what
-        # polling the backends' /metrics converges to).
+        # Gateway replicas take requests in turn (or at random: `balancer`), each with its own
+        # view of the load: only its own requests (local in-flight counts) or, with
+        # shared_load, every replica's (what polling the backends' /metrics converges to).
         self.gws = [Gateway(validate({
             "upstreams": [{"name": f"b{i}", "url": f"http://sim-{i}:8000", "max_inflight": 10**9}
                           for i in range(backends)],
@@ -116,6 +137,13 @@ class FleetSim:
                       for i, u in enumerate(self.gw.upstreams)}
         self.shared_load = shared_load
         self.backends = {u.name: Backend(u, self.cost, self.bt) for u in self.gw.upstreams}
+        if balancer not in ("turns", "random"):
+            raise ValueError(f"unknown balancer {balancer!r} (known: turns, random)")
+        self.balancer, self._lb = balancer, random.Random(seed)
+        self.event_delay_s = event_delay_s
+        self.kv_events = 0                             # events published by the engines
+        self._install_indexes()
+        self.measure_agreement = measure_agreement
         self.agree = self.compared = 0
         self._turn = 0
         self.events: list = []
@@ -125,6 +153,39 @@ class FleetSim:
         self.prompt_tokens = self.hit_tokens = self.oracle_hit_tokens = 0
         self.oracle: set[int] = set()
         self.by_kind: dict[str, list[int]] = {}        # kind -> [hit tokens, prompt tokens]
+
+    def _install_indexes(self) -> None:
+        """exact: every replica its own event-fed index, every engine publishing; oracle: the
+        block managers themselves (one view, shared)."""
+        if self.policy == "exact":
+            for b in self.backends.values():
+                b.kv_events = record(b.bm)
+            self.event_indexes = [EventFedIndex(self.bt, self.cost.kv_blocks) for _ in self.gws]
+            for gw, index in zip(self.gws, self.event_indexes):
+                install(gw, index)
+        elif self.policy == "oracle":
+            oracle = CacheOracle({name: b.bm for name, b in self.backends.items()})
+            for gw in self.gws:
+                install(gw, oracle)
+
+    def _publish(self, b: Backend, now: float) -> None:
+        """Send the engine's events of this step to every replica's index (after the delay):
+        one payload on the wire, which each replica's subscriber decodes alike (so once)."""
+        if b.kv_events is None or not b.kv_events.events:
+            return
+        events = b.kv_events.take()
+        self.kv_events += len(events)
+        published = (b.up.name, encode(events, now))
+        if self.event_delay_s > 0:
+            self._at(now + self.event_delay_s, EVENTS, published)
+        else:
+            self._deliver(published)
+
+    def _deliver(self, published) -> None:
+        name, payload = published
+        batch = decode_batch(payload)
+        for index in self.event_indexes:
+            index.apply(name, batch)
 
     # --- the event loop -----------------------------------------------------------------------
     def _at(self, t: float, kind: int, obj) -> None:
@@ -143,22 +204,27 @@ class FleetSim:
                 nxt = next(trace, None)
                 continue
             now, _, kind, obj = heapq.heappop(self.events)
-            if kind == 0:
+            if kind == PREFILLED:
                 self._prefilled(obj, now)
-            else:
+            elif kind == FINISHED:
                 self._finished(obj, now)
+            else:
+                self._deliver(obj)
         return self._report(time.perf_counter() - started, now)
 
     def _arrive(self, req, now: float) -> None:
         ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain
         ctx.block_tokens = self.bt
-        replica = self._turn % len(self.gws)
-        self._turn += 1
+        if self.balancer == "random":
+            replica = self._lb.randrange(len(self.gws))
+        else:
+            replica = self._turn % len(self.gws)
+            self._turn += 1
         t0 = time.perf_counter()
         up = self.gws[replica].decide(ctx)
         self.pick_s.append(time.perf_counter() - t0)
-        if len(self.gws) > 1:
+        if len(self.gws) > 1 and self.measure_agreement:
             self._compare(req, replica, up.name)
         self._count(up.name, replica, +1)
         ctx.upstream = up
@@ -168,6 +234,7 @@ class FleetSim:
         seq.replica = replica
         b.queue.append(seq)
         self._try_start(b, now)
+        self._publish(b, now)
 
     def _count(self, name: str, replica: int, delta: int) -> None:
         views = self.views[name]
@@ -205,7 +272,7 @@ class FleetSim:
         per_kind[1] += len(seq)
         dur = self.cost.prefill_overhead_s + uncached / self.cost.prefill_tokens_per_s
         b.busy_s += dur
-        self._at(now + dur, 0, b)
+        self._at(now + dur, PREFILLED, b)
 
     def _prefilled(self, b: Backend, now: float) -> None:
         seq, b.prefilling = b.prefilling, None
@@ -215,8 +282,10 @@ class FleetSim:
         for hook in self.gws[seq.replica].chain.on_first_byte:   # prefix_route records here
             hook(seq.ctx)
         c = self.cost
-        self._at(now + len(seq.req.output) * (c.tpot_s + c.tpot_per_running_s * b.running), 1, seq)
+        self._at(now + len(seq.req.output) * (c.tpot_s + c.tpot_per_running_s * b.running),
+                 FINISHED, seq)
         self._try_start(b, now)
+        self._publish(b, now)
 
     def _finished(self, seq: SimSeq, now: float) -> None:
         b = seq.backend
@@ -233,6 +302,7 @@ class FleetSim:
         b.served += 1
         self._count(b.up.name, seq.replica, -1)
         self._try_start(b, now)
+        self._publish(b, now)
 
     def _oracle_lookup(self, req) -> None:
         """An infinite cache shared by every backend: every block ever computed is a hit."""
@@ -267,6 +337,8 @@ class FleetSim:
             "pick_us_p50": float(np.percentile(pick_us, 50)),
             "pick_us_p99": float(np.percentile(pick_us, 99)),
             "replicas": len(self.gws), "shared_load": self.shared_load,
+            "balancer": self.balancer,
+            "kv_events": self.kv_events, "event_delay_s": self.event_delay_s,
             "replica_agreement": self.agree / self.compared if self.compared else None,
             "sim_seconds": sim_s, "wall_seconds": wall_s,
         }
@@ -301,6 +373,10 @@ def main(argv=None) -> int:
                    help="gateway replicas taking requests in turn (reports their agreement)")
     p.add_argument("--shared-load", action="store_true",
                    help="replicas see all replicas' load (as polled /metrics would show)")
+    p.add_argument("--balancer", choices=("turns", "random"), default="turns",
+                   help="how the load balancer in front of the replicas spreads requests")
+    p.add_argument("--event-delay-s", type=float, default=EVENT_DELAY_S,
+                   help="exact policy: from an engine's cache change to the replicas' indexes")
     for f in fields(CostModel):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", help="save results and the settings used to this file")
@@ -312,7 +388,7 @@ def main(argv=None) -> int:
     results = []
     for policy in args.policies.split(","):
         r = FleetSim(args.backends, policy, trace, cost, route, args.seed, args.replicas,
-                     args.shared_load).run()
+                     args.shared_load, args.balancer, args.event_delay_s).run()
         results.append(r)
         print(_row(r), flush=True)
     base = next((r for r in results if r["policy"] == "round_robin"), None)
@@ -320,7 +396,8 @@ def main(argv=None) -> int:
         for r in results:
             if r is not base:
                 print(f"{r['policy']:>15}: p95 TTFT {base['ttft_p95_s'] / r['ttft_p95_s']:.1f}x "
-                      f"better than round_robin, hit rate {r['hit_vs_oracle']:.0%} of the oracle")
+                      f"better than round_robin, hit rate {r['hit_vs_oracle']:.0%} of an "
+                      f"infinite cache")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": {"backends": args.backends, "load": args.load,
@@ -330,7 +407,8 @@ def main(argv=None) -> int:
 
 
 def _row(r: dict) -> str:
-    return (f"{r['policy']:>15}  hit {r['hit_rate']:6.1%} (oracle {r['oracle_hit_rate']:.1%}, "
+    return (f"{r['policy']:>15}  hit {r['hit_rate']:6.1%} "
+            f"(infinite cache {r['oracle_hit_rate']:.1%}, "
             f"{r['hit_vs_oracle']:5.1%})  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms  "
             f"p95 {r['ttft_p95_s'] * 1e3:8.1f} ms  p99 {r['ttft_p99_s'] * 1e3:8.1f} ms  "
             f"load max/mean {r['load_max_mean_requests']:.2f} req, {r['load_max_mean_busy']:.2f} "

@@ -7,6 +7,10 @@ own (prerender hashes token blocks once per request; the text fallback renders a
 the messages).
 
     python -m prefixgate.plugins.sim.route_bench --upstreams 64 --requests 20000
+
+`--scenario indexes` measures instead the hit rate the cache-aware router's index gives
+(oracle, exact from KV events, approximate, round robin) with 1 and 8 gateway replicas, in
+the fleet simulator (`index_bench.py`).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import validate
 from prefixgate.proxy.context import RequestContext
 
+from prefixgate.plugins.sim import index_bench
+from prefixgate.plugins.sim.fleet_sim import EVENT_DELAY_S
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
 from prefixgate.plugins.prefix_keys import block_hash_chain, byte_hash_chain, render
 
@@ -82,14 +88,26 @@ def _us(xs, q) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.plugins.sim.route_bench")
-    p.add_argument("--upstreams", type=int, default=64)
-    p.add_argument("--requests", type=int, default=20_000)
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--models", type=int, default=1, help="models served (upstreams split "
-                   "evenly); more than 1 times the model filter too")
+    p.add_argument("--scenario", choices=("pick", "indexes"), default="pick",
+                   help="pick: the cost of a decision; indexes: the hit rate per router index")
+    p.add_argument("--upstreams", type=int, help="default: 64 (pick), 8 (indexes)")
+    p.add_argument("--requests", type=int, help="default: 20,000 (pick), 10,000 (indexes)")
+    p.add_argument("--quick", action="store_true", help="a small run, for tests")
+    p.add_argument("--policies", default=",".join(POLICIES), help="pick: the policies timed")
+    p.add_argument("--models", type=int, default=1, help="pick: models served (upstreams "
+                   "split evenly); more than 1 times the model filter too")
+    p.add_argument("--replicas", default="1,8", help="indexes: gateway replica counts")
+    p.add_argument("--event-delay-s", type=float, default=EVENT_DELAY_S,
+                   help="indexes: from an engine's cache change to the exact indexes")
+    p.add_argument("--local-load", action="store_true", help="indexes: each replica sees "
+                   "only its own in-flight requests (default: the backends' load)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="save results to this file")
+    p.add_argument("--json", "--out", dest="json", help="save results and settings to this file")
     args = p.parse_args(argv)
+    if args.scenario == "indexes":
+        return _indexes(args)
+    args.upstreams = args.upstreams or 64
+    args.requests = args.requests or (2000 if args.quick else 20_000)
     reqs = list(Trace(TraceConfig(requests=args.requests, seed=args.seed, rate=5.0,
                                   long_tokens=(4000, 8000))))
     results = {}
@@ -108,6 +126,17 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "pick": results, "keys": keys}, f, indent=2)
+    return 0
+
+
+def _indexes(args) -> int:
+    bench = index_bench.run(args.upstreams or 8, [int(n) for n in args.replicas.split(",")],
+                            args.requests, args.quick, args.seed, args.event_delay_s,
+                            args.local_load, progress=lambda line: print(line, flush=True))
+    print(index_bench.table(bench))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(bench, f, indent=2)
     return 0
 
 
