@@ -17,12 +17,16 @@ from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.plugins.normalize.suffix_reuse import reuse
 from prefixgate.proxy.spec import check
 
-CORPUS = yaml.safe_load((Path(__file__).parent / "data" / "prompts.yaml").read_text("utf-8"))
-TEXTS = [e["text"] for e in CORPUS["dynamic"] + CORPUS["static"]]
+DATA = Path(__file__).parent / "data"
+CORPUS = yaml.safe_load((DATA / "prompts.yaml").read_text("utf-8"))
+GENERATED = yaml.safe_load((DATA / "normalize_corpus.yaml").read_text("utf-8"))
+TEXTS = [e["text"] for e in CORPUS["dynamic"] + CORPUS["static"]] + \
+    [e["text"] for e in GENERATED["dynamic"][:60] + GENERATED["static"][:60]]
 INSERTS = ["Current time: 2026-03-15 14:22:31\n", "Request ID: req_77aa01\n", "今天是2026年3月16日，",
            "```\ncode 12:00\n", "`inline 7`", "\n", " v1.2.3 ", "now 9:05", "x", "",
            "Session 550e8400-e29b-41d4-a716-446655440000 ", "<tools>{\"a\": 1}</tools>",
-           "~~~\n", "当前时间：", "99", ": "]
+           "~~~\n", "当前时间：", "99", ": ", "requestId=", "| 订单号 | ", "【会话ID】", "## Examples\n",
+           "Example:\n", "\"", "e.g. "]
 
 
 def _long_text(rng: random.Random) -> str:
@@ -41,7 +45,7 @@ def _edit(rng: random.Random, text: str) -> str:
 def _full(n: Normalizer, text: str):
     code = detectors.code_spans(text)
     toks, statics, values = detectors.scan(text)
-    return toks, template_key(statics), values, n.detector.find(text, toks, code)
+    return toks, template_key(statics), values, n.detector.candidates(text, toks, code)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -56,7 +60,7 @@ def test_reused_analysis_equals_a_full_one(seed):
                 rng.choice(INSERTS) + base[rng.randint(0, 40):])
             code, old_code = detectors.code_spans(text), detectors.code_spans(base)
             old_toks, old_statics, old_values = detectors.scan(base)
-            old_found = n.detector.find(base, old_toks, old_code)
+            old_found = n.detector.candidates(base, old_toks, old_code)
             got = reuse(text, code, base, old_toks, old_statics, old_values, old_found, old_code,
                         n.detector)
             full = _full(n, text)

@@ -3,13 +3,17 @@
 Precision first: a value is reported only when
 
 * a label right before it marks it as current / per-request ("Current time:", "当前时间是",
-  "Request ID:"), and the value has a type that fits the label (a time label takes a date,
-  time or epoch; an id label takes a UUID, ULID, JWT, random token or id-like word), or
-* it is *bare* but of a type that is per-request by nature (UUID, ULID, JWT; configurable).
+  "Request ID:", "requestId=", "订单号"; the vocabulary is `labels.py`), and the value has a
+  type that fits the label (a time label takes a date, time or epoch — a freshness label
+  only one with a time of day; an id label takes a UUID, ULID, JWT, random token or an
+  id-like word that is not a count: "Session ID is 128 bits"), or
+* it is *bare* but of a type that is per-request by nature (UUID, ULID, JWT; configurable),
 
-Everything else — versions, prices, phone numbers, IPs, hex colours, commit hashes, fixed
-dates ("last updated 2023-11-05") — has no such label and stays. Text inside code blocks,
-inline code and embedded tool definitions is never looked at.
+and the text does not merely mention it: values in few-shot examples, illustrations,
+quotations and code-like calls stay (`mentions.py`). Everything else — versions, prices,
+phone numbers, IPs, hex colours, commit hashes, fixed dates ("last updated 2023-11-05") —
+has no such label and stays. Text inside code blocks, inline code and embedded tool
+definitions is never looked at.
 
 Cost: every value we look for contains an ASCII digit, so one C-level regex pass finds the
 digit-bearing tokens and all per-token work (label check, type check) runs only on those.
@@ -21,35 +25,10 @@ from bisect import bisect_right
 from itertools import accumulate
 from dataclasses import dataclass
 
+from prefixgate.plugins.normalize import labels, mentions
+
 TYPES = ("datetime", "epoch", "uuid", "ulid", "jwt", "token", "id")
 
-# --- labels ---------------------------------------------------------------------------------
-# Longer forms first so the regex prefers them. Spaces match any run of spaces, `-` or `_`.
-TIME_LABELS = [
-    "current date and time", "current date/time", "current datetime", "current date",
-    "current utc time", "current local time", "current server time", "current timestamp",
-    "current time", "the time now", "time now", "right now", "date and time now",
-    "today's date", "todays date", "date today", "today", "now", "timestamp",
-    "request time", "request timestamp", "server time", "system time", "local time now",
-    "当前日期时间", "当前北京时间", "当前系统时间", "当前时间", "当前日期", "当前时刻", "现在时间",
-    "现在的时间", "现在", "今天的日期", "今天", "今日", "系统时间",
-    "服务器时间", "请求时间", "时间戳", "此刻",
-]
-ID_LABELS = [
-    "x-request-id", "request id", "requestid", "req id", "trace id", "traceid", "span id",
-    "session id", "sessionid", "conversation id", "chat id", "message id", "correlation id",
-    "run id", "invocation id", "interaction id", "turn id", "nonce", "idempotency key",
-    "请求ID", "请求编号", "请求标识", "会话ID", "会话编号", "会话标识", "对话ID", "追踪ID",
-    "跟踪ID", "链路ID", "流水号", "随机数",
-]
-# The label regex runs only where the text before a token ends in one of these: a separator,
-# the last word of a label, or a word a date may start with (label plus month, weekday…).
-_MONTHS = ("january february march april may june july august september october november "
-           "december jan feb mar apr jun jul aug sep sept oct nov dec")
-_DAYS = "monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur fri sat sun"
-_GATE_WORDS = frozenset(f"is was {_MONTHS} {_DAYS}".split())
-_GATE_CHARS = frozenset(":：=*_)）是为為午上晨间一二三四五六日天")
-_ASCII_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 WINDOW = 72          # chars before a token searched for its label
 
 # --- value grammars ---------------------------------------------------------------------------
@@ -58,12 +37,14 @@ _MON = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Au
 _DOW = (r"(?:Mon(?:day)?|Tue(?:s(?:day)?)?|Wed(?:nesday)?|Thu(?:r(?:s(?:day)?)?)?|Fri(?:day)?"
         r"|Sat(?:urday)?|Sun(?:day)?)")
 _TZ = (r"(?:\s?(?:Z|[+-][0-9]{2}:?[0-9]{2}|(?:UTC|GMT)(?:\s?[+-][0-9]{1,2}(?::?[0-9]{2})?)?"
-       r"|[ECMP][SD]T|CES?T|BST|IST|JST|KST|AES?T)(?![A-Za-z])"
+       r"|[ECMP][SD]?T|CES?T|BST|IST|JST|KST|AES?T)(?![A-Za-z])"
        r"|\s?[(（](?:UTC|GMT|[A-Z]{2,4}T|北京时间)[^()（）\n]{0,8}[)）])?")
 _TIME = (r"[0-9]{1,2}:[0-9]{2}(?::[0-9]{2}(?:[.,][0-9]{1,9})?)?(?:\s?[AaPp]\.?[Mm]\.?)?" + _TZ)
-_ISO = r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}(?:(?:T|\s)" + _TIME + r")?"
+_WEEKDAY = r"(?:[ \t]*[（(]?(?:(?:星期|周)[一二三四五六日天]|" + _DOW + r")[)）]?)"   # "2026-03-15 星期日"
+_ISO = r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}" + _WEEKDAY + r"?(?:(?:T|\s)" + _TIME + r")?"
 _SLASH = (r"(?:[0-9]{4}/[0-9]{1,2}/[0-9]{1,2}|[0-9]{1,2}/[0-9]{1,2}/[0-9]{2,4}"
-          r"|[0-9]{1,2}\.[0-9]{1,2}\.[0-9]{4})(?:,?\s" + _TIME + r")?")
+          r"|[0-9]{1,2}\.[0-9]{1,2}\.[0-9]{4}|[0-9]{4}\.[0-9]{1,2}\.[0-9]{1,2})"
+          r"(?:,?\s" + _TIME + r")?")
 _RFC2822 = _DOW + r",?\s+[0-9]{1,2}\s+" + _MON + r"\s+[0-9]{4}(?:\s+" + _TIME + r")?"
 _ENG_DATE = (r"(?:" + _DOW + r"\.?,?\s+)?(?:" + _MON + r"\.?\s+[0-9]{1,2}(?:st|nd|rd|th)?,?\s+"
              r"[0-9]{4}|[0-9]{1,2}(?:st|nd|rd|th)?\s+(?:of\s+)?" + _MON + r"\.?,?\s+[0-9]{4})")
@@ -72,7 +53,7 @@ _TIME_FIRST = _TIME + r"(?:,?\s+(?:on\s+)?(?:" + _ENG_DATE + r"|[0-9]{4}-[0-9]{1
 _CN_DOW = r"(?:星期|周)[一二三四五六日天]"
 _CN_TIME = (r"(?:上午|下午|晚上|凌晨|中午|早上)?\s*[0-9]{1,2}(?:[:：][0-9]{2}(?:[:：][0-9]{2})?"
             r"|[时点](?:[0-9]{1,2}分(?:[0-9]{1,2}秒)?|半)?)")
-_CN = (r"(?:" + _CN_DOW + r"[，,\s]*)?[0-9]{4}年[0-9]{1,2}月[0-9]{1,2}[日号]"
+_CN = (r"(?:" + _CN_DOW + r"[，,\s]*)?(?:[0-9]{4}年)?[0-9]{1,2}月[0-9]{1,2}[日号]"
        r"(?:[，,]?\s*[（(]?" + _CN_DOW + r"[)）]?)?(?:[，,]?\s*" + _CN_TIME + r")?" + _TZ)
 
 _DATETIME = "|".join(f"(?:{p})" for p in (_CN, _ISO, _RFC2822, _ENG, _SLASH, _TIME_FIRST,
@@ -90,34 +71,34 @@ ID_VALUE = re.compile(rf"(?P<uuid>{_UUID}){_END}|(?P<jwt>{_JWT}){_END}|(?P<ulid>
                       rf"|(?P<token>{_TOKEN}){_END}|(?P<id>{_ID})")
 BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT)}
 
-# A digit-bearing token: starts at a digit (a fast C scan), extended left in Python.
-_TOKEN_SPLIT = re.compile(r"([0-9](?:[0-9A-Za-z_+/=.:\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?)")
-_LEFT = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+# A digit-bearing token: starts at a digit (a fast C scan); `scan` gives it the letters before.
+# (a comma inside keeps "1,234.50" one token, so an amount's token count does not vary)
+_TOKEN_SPLIT = re.compile(r"([0-9](?:[0-9A-Za-z_+/=.:,\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?)")
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_ASCII_LETTERS = frozenset(_LETTERS)
+_WORD_CHARS = _LETTERS + "0123456789_-"       # a word holding a token: "req_8f3a", "A1017"
+_LEFT = frozenset(_WORD_CHARS)
+_HEAD_END = frozenset(_LETTERS + "_-")
 _TRIM = ".:-/+_"
 _CODE = re.compile(r"```.*?(?:```|\Z)|~~~.*?(?:~~~|\Z)|`[^`\n]+`"
                    r"|<(tools|functions|tool_definitions)>.*?(?:</\1>|\Z)", re.S)
 _CODE_MARKS = ("`", "~~~", "<tools>", "<functions>", "<tool_definitions>")
-_SEP = (r"(?P<sep>(?:\s*(?:\([^()\n]{1,24}\)|（[^（）\n]{1,24}）))?\s*(?:\*\*|__)?"
-        r"\s*(?:(?:is|was)\b\s*:?|[:：=]|是|为|為)?\s*(?:\*\*|__)?\s*(?:北京时间|本地时间)?)")
-_PRE = r"(?P<pre>(?:[A-Za-z]{3,9}\.?,?\s+){0,2}|" + _CN_DOW + r"[，,\s]*|上午|下午|晚上|凌晨|中午|早上)"
 # After a time value, these make it part of a fixed rule or schedule, not "the time now".
 _SCHEDULE = re.compile(r"\s*(?:[-–~～至到]\s*[0-9]|前|后|之前|之后|以前|以后|起|开始|截止"
-                       r"|(?:before|after|until|till|by|or later|or earlier|onwards?)\b)", re.I)
+                       r"|(?:before|after|until|till|or later|or earlier|onwards?)\b)", re.I)
 _RANGE = re.compile(r"[0-9]{1,2}:[0-9]{2}\s*[-–~～]\s*[0-9]{1,2}:[0-9]{2}$")  # "9:00-18:00"
+_CLOCK = re.compile(r"[0-9][:：][0-9]{2}|[0-9]\s*[时点]")         # a time of day in a value
+# After an id label, a count or a measure is prose about ids: "is 128 bits", "64-bit".
+# After an id label, a count or a measure is prose about ids: "is 128 bits", "16 hex
+# characters", "64-bit", "500 以内", not an identifier.
+_UNITS = ("bit", "byte", "char", "character", "digit", "letter", "word", "day", "hour", "minute",
+          "second", "week", "month", "year")
+_UNIT_ADJECTIVES = ("hex", "hexadecimal", "decimal", "numeric", "alphanumeric", "random", "ascii")
+_COUNTERS = ("位", "个", "件", "条", "次", "人", "天", "分钟", "小时", "秒", "元", "字", "以内", "以上",
+             "以下", "台", "张")
+_QUANTITY = re.compile(rf"[0-9]{{1,5}}(?:[ \t]*-?[ \t]*(?:(?:{'|'.join(_UNIT_ADJECTIVES)})[ \t]+)?"
+                       rf"(?:{'|'.join(_UNITS)})s?(?![A-Za-z])|[ \t]*(?:{'|'.join(_COUNTERS)}))")
 _LINE_HEAD = re.compile(r"\s*(?:[-*•>]\s+|[0-9]{1,2}[.)]\s+)?(?:\*\*|__)?")
-
-
-def _label_alt(labels: list[str]) -> str:
-    parts = []
-    for lab in sorted(set(labels), key=len, reverse=True):
-        parts.append(r"[\s_-]+".join(re.escape(w) for w in lab.split()))
-    return "|".join(parts)
-
-
-def label_regex(time_labels: list[str], id_labels: list[str]) -> re.Pattern:
-    """`<label><sep><pre>$`: the window before a value must end with a label and separator."""
-    return re.compile(rf"(?<![A-Za-z0-9_])(?:(?P<time>{_label_alt(time_labels)})"
-                      rf"|(?P<idl>{_label_alt(id_labels)}))(?![A-Za-z]){_SEP}{_PRE}$", re.I)
 
 
 @dataclass(slots=True)
@@ -130,6 +111,7 @@ class Found:
     label: str
     type: str
     cut: tuple[int, int] | None = None
+    at: int = -1             # where the label starts (the value's start when it has none)
 
 
 def code_spans(text: str) -> list[tuple[int, int]]:
@@ -156,12 +138,22 @@ def code_spans(text: str) -> list[tuple[int, int]]:
 
 
 def scan(text: str) -> tuple[list[tuple[int, int]], list[str], list[str]]:
-    """All digit-bearing tokens: (spans, the static pieces between them, the token texts).
+    """All digit-bearing words: (spans, the static pieces between them, the words' texts).
 
-    One C-level split does the work; a token starts at a digit, and `Detector.find` extends it
-    left over letters where a type needs that. `statics` has one piece more than `values`.
+    One C-level split finds the tokens, each starting at a digit; the letters right before
+    one belong to it ("A1017", "req_8f3a", "e3b0c442-…"). That keeps a value's template the
+    same whether it starts with a letter or a digit, so the learner sees one template where a
+    hex id or a code varies. `statics` has one piece more than `values`.
     """
     parts = _TOKEN_SPLIT.split(text)
+    head_end, word_chars = _HEAD_END, _WORD_CHARS
+    for i in range(1, len(parts), 2):
+        piece = parts[i - 1]
+        if piece and piece[-1] in head_end:
+            head = piece[len(piece.rstrip(word_chars)):].lstrip("-_")
+            if head:
+                parts[i - 1] = piece[:len(piece) - len(head)]
+                parts[i] = head + parts[i]
     ends = list(accumulate(map(len, parts)))
     spans = list(zip(ends[0::2], ends[1::2]))
     return spans, parts[0::2], parts[1::2]
@@ -193,19 +185,23 @@ class Detector:
                  rules=()):
         self.types = frozenset(types)
         self.bare = [(t, BARE[t]) for t in bare if t in self.types]
-        self.label = label_regex(TIME_LABELS + list(time_labels), ID_LABELS + list(id_labels))
-        labels = TIME_LABELS + ID_LABELS + list(time_labels) + list(id_labels)
-        self.gate_words = _GATE_WORDS | {re.findall("[a-z]+", lab.lower())[-1] for lab in labels
-                                         if re.search("[a-z]$", lab.lower())}
-        self.gate_chars = _GATE_CHARS | {lab[-1] for lab in labels if ord(lab[-1]) > 0x2E80}
+        self.label = labels.LabelMatcher(time_labels, id_labels, WINDOW)
+        self.gate_words, self.gate_ends = labels.last_words(time_labels, id_labels)
+        self.gate_chars = labels.last_chars(time_labels, id_labels)
         self.rules = list(rules)      # [(compiled regex, label)]
 
     def find(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
+        """The values to move: `candidates` less those the text only mentions (`mentions`)."""
+        return mentions.drop_mentions(text, self.candidates(text, toks, code))
+
+    def candidates(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
         """Labelled and bare typed values, then custom rules; sorted, non-overlapping.
-        The loop runs once per digit-bearing token, so its common path is kept inline."""
+        Each depends only on its own line and the WINDOW before it (what `suffix_reuse`
+        relies on). The loop runs once per digit-bearing token, so its common path is inline."""
         found: list[Found] = []
         covered = -1
-        left, gate_chars, gate_words = _LEFT, self.gate_chars, self.gate_words
+        left, gate_chars, gate_words, gate_ends = _LEFT, self.gate_chars, self.gate_words, \
+            self.gate_ends
         letters, bare = _ASCII_LETTERS, self.bare
         for s, e in toks:
             if s < covered or (code and _inside_sorted(code, s)):
@@ -216,8 +212,8 @@ class Detector:
                 s += 1
             if s < covered:
                 continue
-            # gate: could what precedes the token end a label? (a separator, a label's last
-            # word or character, or a word a date starts with: "is", "March", "Tue")
+            # gate: could what precedes the token end a label? (a separator, a bracket, a
+            # label's last word or character, or a word a date starts with: "is", "March")
             j = s - 1
             while j >= 0 and text[j] in " \t\n":
                 j -= 1
@@ -231,9 +227,10 @@ class Detector:
                     hit = self._labelled(text, s, e)
                 elif c in letters:
                     k = j
-                    while k >= 0 and text[k] in letters and j - k < 12:
+                    while k >= 0 and text[k] in letters and j - k < 24:
                         k -= 1
-                    if text[k + 1:j + 1].lower() in gate_words:
+                    word = text[k + 1:j + 1].lower()
+                    if word in gate_words or word.endswith(gate_ends):
                         hit = self._labelled(text, s, e)
             if hit is None and bare and e - s >= 26:      # the shortest bare type is 26 chars
                 hit = self._bare(text, s, e)
@@ -245,35 +242,32 @@ class Detector:
         return found
 
     def _labelled(self, text: str, s: int, e: int) -> Found | None:
-        w0 = max(0, s - WINDOW)
-        window = text[w0:s]
-        m = self.label.search(window)
-        if m is None:
+        lab = self.label.before(text, s)
+        if lab is None:
             return None
-        vpos = w0 + m.start("pre")
-        if m.group("time") is not None:
-            label, vm = m.group("time"), TIME_VALUE.match(text, vpos)
-        else:
-            label, vm = m.group("idl"), ID_VALUE.match(text, vpos)
+        vm = (ID_VALUE if lab.kind == "id" else TIME_VALUE).match(text, lab.value_start)
         if vm is None or vm.lastgroup not in self.types or vm.end() <= s:
             return None
         vs, ve = vm.span()
         while ve > vs and text[ve - 1] in _TRIM:
             ve -= 1
-        if m.group("time") is not None and (_SCHEDULE.match(text, ve) or
-                                            _RANGE.search(text, vs, ve)):
+        if lab.kind == "id":
+            if vm.lastgroup == "id" and not plausible_id(text, vs, ve):
+                return None
+        elif _SCHEDULE.match(text, ve) or _RANGE.search(text, vs, ve):
             return None                      # "今天18:00前下单", "now 9:00-18:00": a rule
-        if vm.lastgroup == "id" and not any(c.isdigit() for c in text[vs:ve]):
-            return None
-        ls = w0 + m.start()
+        elif lab.kind == "fresh" and vm.lastgroup != "epoch" and not _CLOCK.search(text, vs, ve):
+            return None                      # "as of 2023-05-01": how documents are dated
+        ls = lab.start
         if text[max(0, ls - 4):ls].lower() == "the ":    # "The current date is …" is one clause
             ls -= 4
-        return Found(vs, ve, text[vs:ve], label, vm.lastgroup, _clause(text, ls, ve))
+        return Found(vs, ve, text[vs:ve], lab.text, vm.lastgroup, _clause(text, ls, ve),
+                     lab.label_start)
 
     def _bare(self, text: str, s: int, e: int) -> Found | None:
         for t, rx in self.bare:
             if rx.fullmatch(text, s, e):
-                return Found(s, e, text[s:e], context_label(text, s), t)
+                return Found(s, e, text[s:e], context_label(text, s), t, None, s)
         return None
 
     def _rules(self, text: str, code) -> list[Found]:
@@ -287,6 +281,16 @@ class Detector:
                     out.append(Found(s, e, text[s:e], label or context_label(text, s), "rule",
                                      cut))
         return out
+
+
+def plausible_id(text: str, vs: int, ve: int) -> bool:
+    """An id-like word after an id label is an identifier when it has a digit (a word alone is
+    a name) and is no quantity ("Session ID is 128 bits long", "user_id: 64-bit integer")."""
+    value = text[vs:ve]
+    if not any(c.isdigit() for c in value):
+        return False
+    quantity = _QUANTITY.match(text, vs)
+    return quantity is None or not (value.isdigit() or quantity.end() >= ve)
 
 
 def _inside(spans, pos) -> bool:

@@ -1,7 +1,11 @@
 """Learned detector: values seen to vary between requests that share one template.
 
-A text's *template* is the text with every digit-bearing token cut out; its *slots* are those
-tokens, in order. Requests whose templates are equal come from the same prompt template, so a
+A text's *template* is the text with every digit-bearing word cut out; its *slots* are those
+words, in order (`detectors.scan`). A slot is the whole word — "A1017", "e3b0c442-…",
+"1,234.50" — so a value that starts with a letter one time and a digit the next, or grows a
+thousands separator, leaves the template as it was: requests of one prompt template keep one
+key however their spans vary in length, and whatever punctuation or CJK text stands around
+them. Requests whose templates are equal come from the same prompt template, so a
 slot that shows `after` different values across them is filled in per request — dynamic, even
 when no typed detector knows its form. Only slots actually seen to vary are ever reported: a
 version number, a price or a fixed date in the same template never varies, so it never moves.

@@ -13,7 +13,9 @@ When a label and its value form a line or sentence of their own, the whole claus
 otherwise only the value is replaced by a numbered placeholder (`⟨1⟩`) that the tail block
 resolves. Two requests that differ only in dynamic values are then byte-identical up to the
 tail, and the model still reads every value exactly once. Detection is typed and labelled
-(`detectors.py`) plus learned from variation across requests (`learner.py`), per model: each
+(`detectors.py`; its vocabulary is `labels.py`), skipping what a prompt only mentions (few-shot
+examples, quotations, code: `mentions.py`), plus learned from variation across requests
+(`learner.py`), per model: each
 model (`ctx.model`) has its own Learner — a template learned from one model's traffic never
 moves anything in another's — while the detectors and the analysis cache are shared.
 """
@@ -31,6 +33,7 @@ from prefixgate.proxy.plugin import Plugin
 from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
                         scan, word_start)
 from prefixgate.plugins.normalize.learner import Learner, template_key
+from prefixgate.plugins.normalize.mentions import drop_mentions
 from prefixgate.plugins.normalize.suffix_reuse import reuse
 
 REUSE_MIN_CHARS = 4096      # shorter texts are scanned whole: reuse would not pay
@@ -142,7 +145,9 @@ class Normalizer:
         if a is not None:
             return a
         code = code_spans(text)
-        toks, statics, values, found = self._scan(text, code)
+        toks, statics, values, candidates = self._scan(text, code)
+        # mentions look back further than suffix_reuse guarantees: dropped over the whole text
+        found = drop_mentions(text, candidates, self.cfg["max_moves"])
         key = template_key(statics) if self.learn and toks else 0
         a = _Analysis(toks, values, code, found, key)
         if self.cfg["cache_texts"]:
@@ -156,17 +161,17 @@ class Normalizer:
         return a
 
     def _scan(self, text: str, code):
-        """Tokens, static pieces, values and typed finds: from a recent text with the same
+        """Tokens, static pieces, values and typed candidates: from a recent text with the same
         ending when one shares enough (`suffix_reuse`), else from scratch."""
         if len(text) < REUSE_MIN_CHARS or self.detector.rules:
             toks, statics, values = scan(text)
-            return toks, statics, values, self.detector.find(text, toks, code)
+            return toks, statics, values, self.detector.candidates(text, toks, code)
         sk = hash(text[-REUSE_KEY_CHARS:])
         prev = self.recent.peek(sk)
         got = reuse(text, code, *prev, self.detector) if prev is not None else None
         if got is None:
             toks, statics, values = scan(text)
-            got = toks, statics, values, self.detector.find(text, toks, code)
+            got = toks, statics, values, self.detector.candidates(text, toks, code)
         self.recent.put(sk, (text, *got[:3], got[3], code))
         return got
 

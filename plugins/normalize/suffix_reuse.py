@@ -10,6 +10,10 @@ newline; a label is looked for at most `detectors.WINDOW` characters before its 
 clause never reaches past its own line — so everything after that newline sees identical
 text. Where a guarantee cannot be checked cheaply (a find reaching across the split, code
 spans that differ, custom rules) the caller falls back to a full analysis.
+
+The finds here are the detector's candidates: whether one is only mentioned (in a few-shot
+example, say) can depend on a heading far above it, so `mentions` runs afterwards, over the
+whole text.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def reuse(text: str, code, old_text: str, old_toks, old_statics, old_values, old
     if not _same_code_after(code, old_code, cut, old_cut, delta):
         return None
     head_toks, head_statics, head_values = scan(text[:cut])
-    found = detector.find(text, head_toks, code)
+    found = detector.candidates(text, head_toks, code)
     if any(f.end > cut or (f.cut is not None and f.cut[1] > cut + 1) for f in found):
         return None
     i = bisect_left(old_toks, (old_cut, -1))
@@ -75,4 +79,5 @@ def _same_code_after(code, old_code, cut, old_cut, delta) -> bool:
 
 def _shift(f: Found, d: int) -> Found:
     return Found(f.start + d, f.end + d, f.value, f.label, f.type,
-                 None if f.cut is None else (f.cut[0] + d, f.cut[1] + d))
+                 None if f.cut is None else (f.cut[0] + d, f.cut[1] + d),
+                 f.at + d if f.at >= 0 else f.at)
