@@ -88,6 +88,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from prefixgate.proxy.spec import json_flag
+
 log = logging.getLogger("prefixgate.engine")
 
 MEDIUM_GPU = "GPU"          # the device KV cache, whatever the device (vLLM's name)
@@ -138,18 +140,9 @@ _DEFAULT = KVEventsConfig()
 
 def parse_kv_events_config(raw: str | dict | None) -> KVEventsConfig | None:
     """vLLM's `--kv-events-config` (JSON text or a dict) checked; None when not given."""
-    if raw is None or raw == "":
+    raw = json_flag(raw, _KEYS, KVEventsConfigError)
+    if raw is None:
         return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise KVEventsConfigError("", f"not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise KVEventsConfigError("", "must be a JSON object")
-    for key in raw:
-        if key not in _KEYS:
-            raise KVEventsConfigError(str(key), f"unknown key (known: {', '.join(_KEYS)})")
     enabled = _typed(raw, "enable_kv_cache_events", bool, "a boolean")
     publisher = _typed(raw, "publisher", str, "a string", "zmq" if enabled else "null")
     if publisher not in PUBLISHERS:

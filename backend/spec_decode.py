@@ -28,8 +28,9 @@ Pure Python (no torch): the gateway validates `bundled.speculative_config` with 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from prefixgate.proxy.spec import json_flag
 
 METHODS = ("ngram",)
 # Defaults, from `bench_spec_decode --sweep` on the README's 2-core CPU: drafting quoted text
@@ -66,20 +67,11 @@ class SpeculativeConfig:
 
 def parse_speculative_config(raw: str | dict | None) -> SpeculativeConfig | None:
     """vLLM's `--speculative-config` (JSON text or a dict) checked; None when not given."""
-    if raw is None or raw == "":
+    known = ("disable_by_batch_size", "method", "min_acceptance_rate", "num_speculative_tokens",
+             "prompt_lookup_max", "prompt_lookup_min")
+    raw = json_flag(raw, known, SpecConfigError)
+    if raw is None:
         return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise SpecConfigError("", f"not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise SpecConfigError("", "must be a JSON object")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-             "disable_by_batch_size", "min_acceptance_rate"}
-    for key in raw:
-        if key not in known:
-            raise SpecConfigError(key, f"unknown key (known: {', '.join(sorted(known))})")
     method = raw.get("method", "ngram")
     if method not in METHODS:
         raise SpecConfigError("method", f"{method!r} is not supported (only 'ngram': prompt lookup)")

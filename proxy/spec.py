@@ -7,6 +7,7 @@ mapping with the same helper, so every message reads `plugins[2].prefix_route.lo
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +36,24 @@ class Key:
     default: Any = REQUIRED
     check: Callable[[Any], str | None] | None = None   # returns a reason when the value is bad
     nested: "dict[str, Key] | None" = field(default=None)  # for mappings validated in turn
+
+
+def json_flag(raw, known, error) -> dict | None:
+    """A JSON-object flag's value (JSON text, or a dict from YAML) with only `known` keys; None
+    when not given. `error(key, reason)` makes the exception (key "" for the value as a whole)."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise error("", f"not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise error("", "must be a JSON object")
+    for key in raw:
+        if key not in known:
+            raise error(str(key), f"unknown key (known: {', '.join(known)})")
+    return raw
 
 
 def positive(v) -> str | None:

@@ -7,6 +7,9 @@ import gc
 
 import aiohttp.web_app
 import pytest
+import torch
+
+from model_factory import make_tiny_model
 
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.app import Gateway
@@ -25,6 +28,22 @@ def _free_engines_after_each_module():
     if cached is not None and hasattr(cached, "cache_clear"):
         cached.cache_clear()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from a second intra-op thread on a shared machine (a module
+    asks for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint (tests/model_factory.py), one per module."""
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @dataclass

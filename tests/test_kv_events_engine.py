@@ -36,15 +36,15 @@ import torch
 import zmq
 
 from engine_support import ServerThread, complete_ids, metrics
-from model_factory import VOCAB_SIZE, make_tiny_model
+from model_factory import VOCAB_SIZE
 
 from prefixgate.backend import server as backend_server
-from prefixgate.backend.block_manager import ROOT_HASH, hash_block
 from prefixgate.backend.engine import EngineArgs, LLMEngine
 from prefixgate.backend.kv_events import parse_kv_events_config
 from prefixgate.backend.kv_tier import GIB
 from prefixgate.backend.model_runner import kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
+from prefixgate.plugins.prefix_keys import block_hash_chain
 from prefixgate.proxy import config as config_mod
 from prefixgate.proxy.bundled import BundledEngines
 
@@ -64,24 +64,16 @@ B = prompt_of(100, 2)   # 6 full blocks; with its 4 new tokens it fills a 7-bloc
 
 
 def chain(prompt: list[int]) -> list[int]:
-    hashes, parent = [], ROOT_HASH
-    for i in range(len(prompt) // BLOCK):
-        parent = hash_block(parent, prompt[i * BLOCK:(i + 1) * BLOCK])
-        hashes.append(parent)
-    return hashes
+    """The prefix cache's hashes of the prompt's full blocks (the gateway's chain: the same formula)."""
+    return block_hash_chain(prompt, BLOCK)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("llama"), "llama"))
+def model_dir(tiny_llama_dir):
+    return str(tiny_llama_dir)
 
 
 @pytest.fixture

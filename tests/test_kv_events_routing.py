@@ -12,11 +12,9 @@ import time
 
 import aiohttp
 import pytest
-import torch
 
 from engine_support import ServerThread
 from hardening_support import free_port
-from model_factory import make_tiny_model
 from prefixgate.backend.server import start_server
 from prefixgate.backend.tokenizer import Tokenizer
 from prefixgate.plugins.prefix_keys import block_hash_chain
@@ -67,17 +65,12 @@ class Engine(ServerThread):
         return Engine(self.model_dir, self.port, self.pub, self.replay).__enter__()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
