@@ -106,8 +106,13 @@ def _entry(gw, i: int, item, reuse: dict | None) -> tuple[str, Plugin]:
     return key, p
 
 
+def plugin_entry(item) -> tuple[str, dict | None]:
+    """A `plugins:` item (a name, or a one-key mapping of name to settings) as (name, settings)."""
+    return (item, {}) if isinstance(item, str) else next(iter(item.items()))
+
+
 def _build_one(gw, i: int, item):
-    name, cfg = (item, {}) if isinstance(item, str) else next(iter(item.items()))
+    name, cfg = plugin_entry(item)
     registry = gw.registry
     registry.recording = cols = []
     n_hooks = len(gw.on_connect)

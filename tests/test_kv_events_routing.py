@@ -133,20 +133,24 @@ def holds(gw, name, keys) -> int:
     return feeds_of(gw).index.match(keys).get(name, 0)
 
 
+async def live_gateway(make_gateway, engines, model_dir):
+    """A gateway in front of `engines` with `index: kv_events`, once both feeds are live."""
+    gw = await make_gateway(gateway_config(engines, model_dir))
+    await until(lambda: feeds_of(gw).live == {"e0", "e1"}, what="both feeds live")
+    return gw, feeds_of(gw)
+
+
 async def test_routing_by_the_engines_own_events(engines, model_dir, make_gateway, chain):
     e0, e1 = engines
     A, B = chain(tenant("A")), chain(tenant("B"))
-    gw = await make_gateway(gateway_config(engines, model_dir))
-    feeds = feeds_of(gw)
-    await until(lambda: feeds.live == {"e0", "e1"}, what="both feeds live")
+    gw, feeds = await live_gateway(make_gateway, engines, model_dir)
     async with aiohttp.ClientSession() as client:
         await direct(client, e0, tenant("A"))
         await direct(client, e1, tenant("B"))
         await until(lambda: holds(gw, "e0", A) == len(A) and holds(gw, "e1", B) == len(B),
                     what="the engines' events applied")
         # a replica started after the traffic learns the same from the replay
-        late = await make_gateway(gateway_config(engines, model_dir))
-        await until(lambda: feeds_of(late).live == {"e0", "e1"}, what="the late replica live")
+        late, _ = await live_gateway(make_gateway, engines, model_dir)
         for g in (gw, late):
             assert await route(client, g, follow_up(tenant("A"))) == ("e0", "cache")
             assert await route(client, g, follow_up(tenant("B"))) == ("e1", "cache")
@@ -166,9 +170,7 @@ async def test_routing_by_the_engines_own_events(engines, model_dir, make_gatewa
 async def test_an_engine_restart_is_a_new_cache(engines, model_dir, make_gateway, chain):
     e0, e1 = engines
     B, C = chain(tenant("B")), chain(tenant("C"))
-    gw = await make_gateway(gateway_config(engines, model_dir))
-    feeds = feeds_of(gw)
-    await until(lambda: feeds.live == {"e0", "e1"}, what="both feeds live")
+    gw, feeds = await live_gateway(make_gateway, engines, model_dir)
     async with aiohttp.ClientSession() as client:
         for t in ("filler", "B"):                      # a few batches, within e1's cache
             await direct(client, e1, tenant(t))

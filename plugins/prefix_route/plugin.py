@@ -59,6 +59,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prefixgate.proxy.spec import ConfigError, Key, non_negative, one_of, positive
 from prefixgate.plugins.prefix_route.kv_subscriber import KVEventFeeds
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
+from prefixgate.proxy.chain import plugin_entry
 from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.prefix_route.hash_ring import HashRing
@@ -143,7 +144,7 @@ class PrefixRoute(Plugin):
         c = self.cfg
         if self.policy != "cache_aware":
             raise ConfigError("index", "kv_events needs policy: cache_aware (chwbl keeps no index)")
-        if not any(_plugin_name(item) == "prerender" for item in gw.config.get("plugins", ())):
+        if not any(plugin_entry(item)[0] == "prerender" for item in gw.config.get("plugins", ())):
             raise ConfigError("index", "kv_events needs token-id keys: add the `prerender` plugin "
                                        "and `model.tokenizer` (or `models.<name>.tokenizer`), the "
                                        "engines' own tokenizer and chat template")
@@ -401,10 +402,6 @@ def ring_position(key: int, model: str | None) -> int:
     """Where a prefix key sits on the ring for `model`: the same prompt to two models lands
     on unrelated homes (None: the key itself, as before models were routed)."""
     return key if model is None else key ^ _model_salt(model)
-
-
-def _plugin_name(item) -> str:
-    return item if isinstance(item, str) else next(iter(item), "") if isinstance(item, dict) else ""
 
 
 def _has_dynamic(body: dict, spans: DynamicSpans) -> bool:

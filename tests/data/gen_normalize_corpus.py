@@ -463,7 +463,7 @@ def _prose_words(rng, v, lang):
           f"user_id: 64-bit integer, never reused. tenant_id: string, at most {rng.randint(16, 64)} characters.",
           f"Order ID format: ORD-YYYY-NNNNNN (for instance ORD-{rng.randint(2019, 2024)}-{v.digits(6)}).",
           f"If the user gives a session number (1-{rng.randint(5, 12)}), confirm it before continuing.",
-          f"Device IDs start with dev- and build IDs are plain integers.",
+          "Device IDs start with dev- and build IDs are plain integers.",
           f"Session {rng.randint(2, 9)} of the course covers recursion; session {rng.randint(10, 14)} is the exam.",
           f"In our examples user {rng.randint(2, 9)} is an admin and tenant {rng.randint(10, 99)} is a sandbox.",
           f"A build takes about {rng.randint(5, 40)} minutes; keep the last {rng.randint(3, 20)} builds.",
@@ -491,7 +491,7 @@ def _code(rng, v, lang):
     forms = [
         f"Use this helper:\n```python\nNAMESPACE = uuid.UUID(\"{u}\")\nprint(datetime(2024, 3, 15, 14, 22).isoformat())\n```",
         f"Log lines look like this:\n```\n2024-03-15 14:22:31 INFO request_id={u} started\nCurrent time: 2024-03-15 14:22:31\n```\nReport errors only.",
-        f"Call `get_time(tz=\"UTC\")` to learn the time. Example output: `Current time: 2024-05-01T09:00:00Z`.",
+        "Call `get_time(tz=\"UTC\")` to learn the time. Example output: `Current time: 2024-05-01T09:00:00Z`.",
         f"The sandbox namespace is set in code as NAMESPACE_ID = \"{u}\" and must not change.",
         f"Seed the test tenant with uuid.UUID(\"{u}\") before running migrations.",
         f"日志示例：\n```\n当前时间：2024-01-01 08:00:00 请求ID：{v.hex(12)}\n```\n请只分析错误日志。",
