@@ -24,27 +24,17 @@ block handed out for new KV as removed; the engine publishes them after the step
 """
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from prefixgate.backend.kv_events import MEDIUM_GPU
 from prefixgate.backend.sequence import Sequence
+from prefixgate.common.block_hash import ROOT_HASH, hash_block
 
 if TYPE_CHECKING:
     from prefixgate.backend.kv_events import KVEventSink
     from prefixgate.backend.kv_tier import KVTier
-
-ROOT_HASH = 0   # the parent hash of a sequence's first block
-
-
-def hash_block(parent_hash: int, token_ids) -> int:
-    """The chained hash of one full block: xxh64 over the parent hash and the block's ids."""
-    return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
-
 
 @dataclass(slots=True)
 class Block:

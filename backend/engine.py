@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from prefixgate.backend import kv_tier
-from prefixgate.backend.block_manager import ROOT_HASH, BlockManager
+from prefixgate.backend.block_manager import BlockManager
+from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.backend.kv_events import KVEventPublisher, KVEventsConfig, KVEventsConfigError, KVEventSink
 from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
                                              parse_bytes)
@@ -33,7 +34,7 @@ from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
 from prefixgate.backend.spec_decode import SpeculativeConfig, Speculator
 from prefixgate.backend.warmup import WarmupError, WarmupReport, warm_up
-from prefixgate.proxy.server import cancel_and_wait
+from prefixgate.common.runtime import cancel_and_wait
 
 log = logging.getLogger("prefixgate.engine")
 
@@ -102,7 +103,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         from prefixgate.backend.loader import load_model
-        from prefixgate.backend.tokenizer import IncrementalDecoder, Tokenizer
+        from prefixgate.common.tokenizer import IncrementalDecoder, Tokenizer
 
         self.args = args
         kv_tier.check_args(args.kv_offloading_size, args.kv_offloading_path, args.enable_prefix_caching)

@@ -88,7 +88,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from prefixgate.proxy.spec import json_flag
+from prefixgate.common.schema import json_flag
 
 log = logging.getLogger("prefixgate.engine")
 

@@ -46,7 +46,7 @@ import xxhash
 from prefixgate.backend.engine import AsyncEngine, RequestStream
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.sequence import Sequence
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.errors import HTTPError
 
 log = logging.getLogger("prefixgate.kv_transfer")
 

@@ -54,9 +54,10 @@ from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.spec_decode import SpecConfigError, SpeculativeConfig, parse_speculative_config
 from prefixgate.backend.timing import RequestTiming
 from prefixgate.backend.warmup import WarmupError
-from prefixgate.proxy import server_timing, tracing
-from prefixgate.proxy.errors import HTTPError
-from prefixgate.proxy.server import json_errors_middleware, parse_json_object, run_on_uvloop, start_app
+from prefixgate.common import server_timing
+from prefixgate.common import tracing
+from prefixgate.common.errors import HTTPError
+from prefixgate.common.runtime import json_errors_middleware, parse_json_object, run_on_uvloop, start_app
 
 log = logging.getLogger("prefixgate.engine")
 

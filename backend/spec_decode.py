@@ -22,7 +22,7 @@ A draft costs compute whether or not it is accepted, so it is skipped (the step 
   sequence skips its next 4 drafts (it finds the n-gram but does not draft), twice as many each
   time it fails again, then one draft probes whether its text has started quoting. Drafts, not
   steps: in free text matches are rare, and a pause counted in steps would end before the next.
-Defaults: `python -m prefixgate.backend.bench_spec_decode --sweep` (README: speculative decoding).
+Defaults: `python -m prefixgate.backend.bench.speculative --sweep` (README: speculative decoding).
 
 Pure Python (no torch): the gateway validates `bundled.speculative_config` with it.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixgate.proxy.spec import json_flag
+from prefixgate.common.schema import json_flag
 
 METHODS = ("ngram",)
 # Defaults, from `bench_spec_decode --sweep` on the README's 2-core CPU: drafting quoted text

@@ -25,9 +25,9 @@ import asyncio
 import time
 
 from prefixgate.backend.engine import RequestOutput
-from prefixgate.proxy import server_timing
-from prefixgate.proxy.errors import HTTPError
-from prefixgate.proxy.tracing import wall_ns
+from prefixgate.common import server_timing
+from prefixgate.common.errors import HTTPError
+from prefixgate.common.tracing import wall_ns
 
 
 class RequestTiming:

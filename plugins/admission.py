@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixgate.proxy.spec import Key, non_negative, positive
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.schema import Key, non_negative, positive
+from prefixgate.common.errors import HTTPError
 from prefixgate.proxy.plugin import Plugin
-from prefixgate.proxy.server import cancel_and_wait
+from prefixgate.common.runtime import cancel_and_wait
 
 log = logging.getLogger("prefixgate.admission")
 

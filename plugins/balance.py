@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from prefixgate.proxy.spec import Key, positive
+from prefixgate.common.schema import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
 

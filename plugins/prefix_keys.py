@@ -3,7 +3,7 @@
 Block i's hash is `xxh64(hash of block i-1, block i's content)`, so one hash names the
 whole prefix up to the end of its block, and two prompts share the hashes of exactly the
 blocks they share from the start. Only full blocks get a hash (a KV cache only reuses full
-blocks). Over token ids the formula is the engine's own (`backend/block_manager.py`), so a
+blocks). Over token ids the chain is the engine's own (`prefixgate.common.block_hash`), so a
 router's keys equal the engine's cache keys.
 
 Without a tokenizer the chain runs over the bytes of a canonical rendering of the request
@@ -14,55 +14,27 @@ such values to the tail, the chain is cut at the first one (`dynamic_offset`).
 from __future__ import annotations
 
 import json
-from array import array
 
 import xxhash
 
+from prefixgate.common.block_hash import chain_bytes
 from prefixgate.proxy.lru import LRU
 
-ROOT_HASH = 0                      # parent of a token chain's first block (as in the engine)
-TEXT_ROOT = 0x7072_6566_6978_7478  # parent of a text chain's first block: never equal to a token chain
-_h64 = xxhash.xxh64_intdigest
-
-
-def block_hash_chain(tokens, block_tokens: int, max_blocks: int | None = None,
-                     parent: int = ROOT_HASH) -> list[int]:
-    """Chained xxh64 hashes of the full `block_tokens`-sized blocks of `tokens`.
-
-    `parent` continues a chain: the hash of the block just before `tokens[0]`."""
-    n = len(tokens) // block_tokens
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    if n <= 0:
-        return []
-    head = tokens[:n * block_tokens]
-    # a numpy int64 array (the fleet simulator's) already has the bytes array("q") would make
-    data = head.tobytes() if getattr(head, "dtype", None) == "int64" else array("q", head).tobytes()
-    return _chain(data, 8 * block_tokens, n, parent)
+# parent of a text chain's first block: never equal to a token chain's
+TEXT_ROOT = 0x7072_6566_6978_7478
 
 
 def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:
-    """The same chain over bytes (the text fallback when no tokenizer is configured)."""
+    """The block-hash chain over bytes (the text fallback when no tokenizer is configured)."""
     n = len(data) // block_bytes
     if max_blocks is not None:
         n = min(n, max_blocks)
-    return _chain(data, block_bytes, n, TEXT_ROOT)
-
-
-def _chain(data: bytes, step: int, n: int, parent: int) -> list[int]:
-    """h[i] = xxh64(h[i-1] as 8 little-endian bytes + block i), for the first n blocks."""
-    view = memoryview(data)
-    out = []
-    h = parent
-    for i in range(0, n * step, step):
-        h = _h64(h.to_bytes(8, "little") + view[i:i + step])
-        out.append(h)
-    return out
+    return chain_bytes(data, block_bytes, n, TEXT_ROOT)
 
 
 def tail_hash(chain: list[int], rest: bytes) -> int:
     """A key for a prompt shorter than one block: its bytes, chained after its full blocks."""
-    return _h64((chain[-1] if chain else TEXT_ROOT).to_bytes(8, "little") + rest)
+    return xxhash.xxh64_intdigest((chain[-1] if chain else TEXT_ROOT).to_bytes(8, "little") + rest)
 
 
 # --- the canonical rendering -----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Plugin `prerender`: render the chat template and tokenize in the gateway, caching the prefix.
 
-Every chat request is rendered with its model's own chat template (`prefixgate.backend.tokenizer`,
+Every chat request is rendered with its model's own chat template (`prefixgate.common.tokenizer`,
 jinja2 sandbox, HF semantics) and tokenized, so the router can key on the exact token blocks
 the engine's prefix cache will see (`ctx.tokens`, `ctx.block_hashes`, `ctx.block_tokens`).
 The tokenizer is the request's model's: `models.<name>.tokenizer` for `ctx.model`, else the
@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import xxhash
 from prometheus_client import Counter
 
-from prefixgate.proxy.config import ANY_MODEL
-from prefixgate.proxy.spec import ConfigError, Key, positive, non_negative
+from prefixgate.proxy.config.gateway import ANY_MODEL
+from prefixgate.common.schema import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
-from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain, prompt_token_ids
+from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
+from prefixgate.plugins.prefix_keys import prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class Prerender(Plugin):
 
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
-        from prefixgate.backend.tokenizer import Tokenizer, TokenizerLoadError
+        from prefixgate.common.tokenizer import Tokenizer, TokenizerLoadError
         models = gw.config.get("models") or {}
         loaded: dict[str, object] = {}            # one Tokenizer per directory
         # every `models:` entry, with its PromptCache (None: that model has no tokenizer)

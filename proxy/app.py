@@ -12,23 +12,25 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
-from prefixgate.proxy import breakdown, guard
-from prefixgate.proxy import h1pool
-from prefixgate.proxy import pd, reload, route
-from prefixgate.proxy import server_timing
+from prefixgate.proxy import guard
+from prefixgate.proxy.observe import breakdown
+from prefixgate.proxy.upstream import h1pool
+from prefixgate.proxy import pd, route
+from prefixgate.proxy.config import reload
+from prefixgate.common import server_timing
 from prefixgate.proxy import token_forward
-from prefixgate.proxy import usage
+from prefixgate.proxy.observe import usage
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.context import RequestContext
-from prefixgate.proxy.errors import HTTPError
-from prefixgate.proxy.discovery import Discovery
-from prefixgate.proxy.health import Health
-from prefixgate.proxy import multipart
+from prefixgate.common.errors import HTTPError
+from prefixgate.proxy.upstream.discovery import Discovery
+from prefixgate.proxy.upstream.health import Health
+from prefixgate.proxy.upstream import multipart
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
-from prefixgate.proxy.observe import Observer
-from prefixgate.proxy.server import encode_body, json_errors_middleware, parse_json_object
-from prefixgate.proxy.upstream import Upstream
+from prefixgate.proxy.observe.observer import Observer
+from prefixgate.common.runtime import encode_body, json_errors_middleware, parse_json_object
+from prefixgate.proxy.upstream.upstreams import Upstream
 
 log = logging.getLogger("prefixgate")
 

@@ -12,8 +12,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from prefixgate.proxy.spec import ConfigError, Key, check, positive
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.schema import ConfigError, Key, check, positive
+from prefixgate.common.errors import HTTPError
 
 RATE = {
     "requests_per_minute": Key((int, float), 60.0, positive),

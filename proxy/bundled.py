@@ -14,8 +14,8 @@ import socket
 import sys
 
 from prefixgate.backend.kv_events import engine_configs, parse_kv_events_config, subscriber_endpoint
-from prefixgate.proxy.server import wait_ready
-from prefixgate.proxy.upstream import check_upstreams
+from prefixgate.common.runtime import wait_ready
+from prefixgate.proxy.upstream.upstreams import check_upstreams
 
 
 def free_port(host: str) -> int:

@@ -12,7 +12,7 @@ import json
 from prometheus_client import CollectorRegistry
 
 from prefixgate.proxy.plugin import HOOKS, Plugin
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.schema import ConfigError
 
 # short name -> "module:Class"; imported lazily so a config only pays for what it uses
 BUILTIN = {

@@ -15,10 +15,10 @@ from pathlib import Path
 import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy import pd
-from prefixgate.proxy.server import install_uvloop, start_app
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.runtime import install_uvloop, start_app
+from prefixgate.common.schema import ConfigError
 
 # subcommands implemented elsewhere: name -> module whose main(argv) -> int runs it
 DELEGATED = {

@@ -10,7 +10,7 @@ import asyncio
 
 from aiohttp import web
 
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.errors import HTTPError
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")

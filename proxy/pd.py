@@ -43,10 +43,13 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from prefixgate.proxy import breakdown, h1pool, route, usage
-from prefixgate.proxy.errors import HTTPError
-from prefixgate.proxy.server import encode_body
-from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, one_of
+from prefixgate.proxy import route
+from prefixgate.proxy.observe import breakdown
+from prefixgate.proxy.upstream import h1pool
+from prefixgate.proxy.observe import usage
+from prefixgate.common.errors import HTTPError
+from prefixgate.common.runtime import encode_body
+from prefixgate.common.schema import REQUIRED, ConfigError, Key, check, one_of
 
 log = logging.getLogger("prefixgate.pd")
 

@@ -7,7 +7,7 @@ scorers compose (prefix affinity + load) instead of branching inside one router.
 """
 from __future__ import annotations
 
-from prefixgate.proxy.spec import Key, check
+from prefixgate.common.schema import Key, check
 
 HOOKS = ("start", "on_request", "score", "admit", "on_first_byte", "on_chunk", "on_finish", "close")
 

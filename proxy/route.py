@@ -15,12 +15,12 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Iterable
 
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.errors import HTTPError
 
 if TYPE_CHECKING:
     from prefixgate.proxy.context import RequestContext
     from prefixgate.proxy.chain import Chain
-    from prefixgate.proxy.upstream import Upstream
+    from prefixgate.proxy.upstream.upstreams import Upstream
 
 
 # upstream roles (the `role:` key) a decision may pick: plain requests and P/D decode legs,

@@ -11,9 +11,9 @@ import torch
 
 from model_factory import make_tiny_model
 
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.server import start_app
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 

@@ -8,9 +8,9 @@ import os
 import aiohttp
 import pytest
 
-from prefixgate.proxy import config as config_mod
-from prefixgate.proxy.access_log import FIELDS
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.proxy.observe.access_log import FIELDS
+from prefixgate.common.schema import ConfigError
 
 from helpers import CHAT
 

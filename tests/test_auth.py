@@ -9,10 +9,10 @@ import aiohttp
 import pytest
 
 from helpers import CHAT, assert_openai_error
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.server import start_app
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.runtime import start_app
+from prefixgate.common.schema import ConfigError
 
 KEY, OTHER = "sk-gateway-key-1", "sk-gateway-key-2"
 HASHED = "sk-only-the-hash-is-stored"

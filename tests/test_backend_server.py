@@ -16,8 +16,8 @@ import torch
 
 from engine_support import ServerThread, complete_ids, hf_greedy, load_hf, metrics
 from model_factory import make_tiny_model
-from prefixgate.backend.tokenizer import Tokenizer
-from prefixgate.proxy.server import wait_ready
+from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.common.runtime import wait_ready
 
 MAX_LEN = 1024
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]

@@ -10,14 +10,14 @@ import time
 import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
-from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC, Normalizer
 from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import seed as bench_seed
 from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.stats import percentile
-from prefixgate.proxy.spec import check
+from prefixgate.common.schema import check
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 

@@ -2,7 +2,7 @@
 import json
 
 from model_factory import make_tiny_model
-from prefixgate.backend import bench_kv_tier
+from prefixgate.backend.bench import offload as bench_kv_tier
 from prefixgate.proxy.bench import seed as bench_seed
 
 

@@ -2,7 +2,7 @@
 import json
 
 from model_factory import make_tiny_model
-from prefixgate.backend import bench_spec_decode
+from prefixgate.backend.bench import speculative as bench_spec_decode
 from prefixgate.backend.spec_decode import StepCost
 
 

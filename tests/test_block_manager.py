@@ -1,5 +1,6 @@
 """Paged KV blocks and the prefix cache: hits, reference counts, LRU reuse, collisions."""
-from prefixgate.backend.block_manager import BlockManager, hash_block, ROOT_HASH
+from prefixgate.backend.block_manager import BlockManager
+from prefixgate.common.block_hash import ROOT_HASH, hash_block
 from prefixgate.backend.sequence import Sequence
 
 BS = 4

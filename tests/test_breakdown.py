@@ -12,7 +12,7 @@ from aiohttp import web
 from prefixgate.proxy.bench.client import Sample
 from prefixgate.proxy.bench.stats import server_timing_p50, summarize
 from prefixgate.proxy.doctor.checks import SEGMENTS, breakdown_segments, ttft_breakdown
-from prefixgate.proxy.server import start_app
+from prefixgate.common.runtime import start_app
 from test_bench import run_cli
 from test_doctor import by_title, doctor
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from prefixgate.proxy import config
+from prefixgate.proxy.config import gateway as config
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.schema import ConfigError
 
 GOOD = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}]}
 

@@ -9,7 +9,7 @@ import torch
 from model_factory import PagedCache
 from prefixgate.backend import demo
 from prefixgate.backend.loader import load_model, verify_weights
-from prefixgate.backend.tokenizer import IncrementalDecoder, Tokenizer
+from prefixgate.common.tokenizer import IncrementalDecoder, Tokenizer
 
 SAMPLE = "How a prefix cache saves time: 前缀缓存让第一个字更快出现。 🚀"
 

@@ -8,8 +8,8 @@ import socket
 import aiohttp
 import pytest
 
-from prefixgate.proxy.config import validate
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
 from test_prefix_route import FAMILIES, body, post

@@ -10,10 +10,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.checks import engine_state
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
-from prefixgate.proxy.server import start_app
+from prefixgate.common.runtime import start_app
 
 SYSTEM = ("You are the support assistant of ACME Corp. Answer in two sentences at most, "
           "cite the policy section you rely on, and never promise refunds. ") * 8

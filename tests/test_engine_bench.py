@@ -2,7 +2,7 @@
 import json
 
 from model_factory import make_tiny_model
-from prefixgate.backend import bench
+from prefixgate.backend.bench import serving as bench
 
 
 def test_bench_script_runs_and_saves_json(tmp_path, capsys):

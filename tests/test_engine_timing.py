@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from engine_support import ServerThread, metrics
-from prefixgate.proxy import server_timing
+from prefixgate.common import server_timing
 from prefixgate.proxy.testing.otlp import OtlpReceiver
 
 ENTRIES = ["tokenize", "queue", "prefill", "decode"]

@@ -11,7 +11,7 @@ import pytest
 
 from hardening_support import free_port
 from helpers import CHAT, assert_openai_error, event_json, read_events
-from prefixgate.proxy.server import wait_ready
+from prefixgate.common.runtime import wait_ready
 
 
 class BadServer:

@@ -7,7 +7,7 @@ import pytest
 
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.sequence import Sequence
-from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prefix_route.kv_index import Removed, Stored, decode_batch
 from prefixgate.plugins.sim import index_bench, route_bench
 from prefixgate.plugins.sim.engine_events import encode, record

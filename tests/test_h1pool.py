@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from prefixgate.proxy.h1pool import Pool, UpstreamError
+from prefixgate.proxy.upstream.h1pool import Pool, UpstreamError
 
 JSON = [("Content-Type", "application/json")]
 
@@ -176,7 +176,7 @@ async def hashing_upstream():
     """An aiohttp upstream: POST /sha answers the sha256 and framing of the body it read."""
     from aiohttp import web
 
-    from prefixgate.proxy.server import start_app
+    from prefixgate.common.runtime import start_app
     failures: list[str] = []
 
     async def sha(request):

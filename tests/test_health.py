@@ -138,7 +138,7 @@ async def test_probes_use_their_own_pool_so_a_busy_upstream_stays_healthy(make_s
 async def test_probe_status_below_500_is_up_and_5xx_is_down(make_gateway):
     from aiohttp import web
 
-    from prefixgate.proxy.server import start_app
+    from prefixgate.common.runtime import start_app
     state = {"status": 404}                     # e.g. a hosted API without /health
 
     async def probe(request):

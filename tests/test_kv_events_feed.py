@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model_factory import tiny_tokenizer
 from prefixgate.backend.demo import write_tokenizer_files
-from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.testing.kv_events_standin import EngineCache, KVEventsStandIn
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 
@@ -376,7 +376,7 @@ def test_index_kv_events_needs_cache_aware_and_token_keys(tokenizer_dir, route, 
 
 
 def test_discovery_kv_events_is_a_template_of_ports():
-    from prefixgate.proxy.discovery import Discovery
+    from prefixgate.proxy.upstream.discovery import Discovery
     cfg = validate({"discovery": {"dns": "engines", "port": 8000, "kv_events": {
         "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}})
     d = Discovery(cfg["discovery"], None)

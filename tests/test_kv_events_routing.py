@@ -16,8 +16,8 @@ import pytest
 from engine_support import ServerThread
 from hardening_support import free_port
 from prefixgate.backend.server import start_server
-from prefixgate.backend.tokenizer import Tokenizer
-from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.common.block_hash import block_hash_chain
 from test_kv_events_feed import follow_up, tenant
 
 BLOCK = 16

@@ -3,7 +3,7 @@ msgpack layouts, keyed by their token ids through the gateway's own block-hash c
 import msgpack
 import pytest
 
-from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prefix_route.kv_index import EventFormatError, KVEventIndex, decode_batch
 
 BS = 4

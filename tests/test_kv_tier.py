@@ -39,8 +39,8 @@ from prefixgate.backend.kv_tier import FILE_PREFIX, GIB
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.model_runner import KV_CACHE_DTYPES, kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
-from prefixgate.plugins.prefix_keys import block_hash_chain
-from prefixgate.proxy import config as config_mod
+from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
 
 BLOCK = 16

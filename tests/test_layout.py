@@ -6,11 +6,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("proxy", "plugins", "backend", "kernels", "conf")     # installed as prefixgate.<folder>
+FOLDERS = ("common", "proxy", "plugins", "backend", "kernels", "conf")     # installed as prefixgate.<folder>
 TOOL_ROOMS = ("prefixgate.proxy.bench", "prefixgate.proxy.doctor", "prefixgate.proxy.testing",
               "prefixgate.plugins.sim", "prefixgate.kernels.bench", "prefixgate.backend.bench",
-              "prefixgate.backend.bench_kv_transfer", "prefixgate.backend.bench_spec_decode",
-              "prefixgate.backend.bench_kv_tier")
+              "prefixgate.backend.bench.kv_handover", "prefixgate.backend.bench.speculative",
+              "prefixgate.backend.bench.offload")
 
 
 def module_name(root: Path, path: Path) -> str:

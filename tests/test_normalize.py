@@ -11,8 +11,8 @@ import yaml
 from prefixgate.plugins.normalize.learner import Learner
 from prefixgate.plugins.normalize.plugin import CLOSE, OPEN, SPEC, Normalizer
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
-from prefixgate.proxy.spec import ConfigError, check
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.common.schema import ConfigError, check
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "data" / "prompts.yaml").read_text("utf-8"))
 DYNAMIC = {e["id"]: e for e in CORPUS["dynamic"]}

@@ -20,7 +20,7 @@ import yaml
 
 from prefixgate.plugins.normalize.detectors import scan
 from prefixgate.plugins.normalize.plugin import CLOSE, OPEN, SPEC, Normalizer
-from prefixgate.proxy.spec import check
+from prefixgate.common.schema import check
 
 DATA = Path(__file__).parent / "data"
 CORPUS_FILE = DATA / "normalize_corpus.yaml"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from prefixgate.plugins.normalize.plugin import OPEN, SPEC, Normalizer
-from prefixgate.proxy.spec import check
+from prefixgate.common.schema import check
 
 ENTITIES_EN = ["request", "session", "conversation", "trace", "span", "correlation", "user",
                "tenant", "device", "order", "build"]

@@ -15,7 +15,7 @@ from prefixgate.plugins.normalize import detectors
 from prefixgate.plugins.normalize.learner import template_key
 from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.plugins.normalize.suffix_reuse import reuse
-from prefixgate.proxy.spec import check
+from prefixgate.common.schema import check
 
 DATA = Path(__file__).parent / "data"
 CORPUS = yaml.safe_load((DATA / "prompts.yaml").read_text("utf-8"))

@@ -11,7 +11,7 @@ import pytest
 
 from engine_support import ServerThread
 from model_factory import make_tiny_model
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 
 BLOCKS = 128
 SYSTEM = "You are brief and you answer in English. " * 6

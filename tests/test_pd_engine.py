@@ -328,7 +328,7 @@ async def test_client_gone_during_the_pull(prefill, decode, monkeypatch):
 
 
 def test_kv_transfer_benchmark_runs(model_dir, tmp_path, capsys):
-    from prefixgate.backend import bench_kv_transfer
+    from prefixgate.backend.bench import kv_handover as bench_kv_transfer
 
     out = tmp_path / "kv.json"
     assert bench_kv_transfer.main(["--model", str(model_dir), "--prompt-tokens", "200", "--repeats", "1",

@@ -11,10 +11,10 @@ import aiohttp
 import openai
 import pytest
 
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.pd import REMOTE_DECODE
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.testing.pd_standin import (Bootstrap, KVStore, SglangDecode,
                                                  SglangPrefill, VllmDecode, VllmPrefill)
 from prefixgate.proxy.testing.standin import Behaviour

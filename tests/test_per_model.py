@@ -9,17 +9,17 @@ import aiohttp
 import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
-from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.normalize.plugin import MAX_MODELS, SPEC as NORMALIZE_SPEC, Normalizer
-from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prefix_route.plugin import ring_position
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
+from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.cli import prompt_findings
 from prefixgate.proxy.doctor.prompt import divergence
-from prefixgate.proxy.spec import ConfigError, check
+from prefixgate.common.schema import ConfigError, check
 
 TEXTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
          "A prefix cache keeps the keys and values of prompts that many requests share.",

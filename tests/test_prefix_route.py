@@ -12,9 +12,9 @@ import pytest
 
 from helpers import assert_openai_error
 
-from prefixgate.proxy.config import validate
+from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.common.schema import ConfigError
 
 FAMILIES = [f"You are assistant number {i}. " + f"Family {i} rules: answer briefly. " * 12
             for i in range(8)]
@@ -181,8 +181,8 @@ async def test_a_timestamp_does_not_change_the_key_without_normalize(make_standi
 
 
 async def test_token_ids_key_like_the_engine(make_standin, make_gateway):
-    from prefixgate.backend.block_manager import hash_block
-    from prefixgate.plugins.prefix_keys import block_hash_chain
+    from prefixgate.common.block_hash import hash_block
+    from prefixgate.common.block_hash import block_hash_chain
     tokens = list(range(1000, 1000 + 70))
     chain, parent = [], 0
     for i in range(4):

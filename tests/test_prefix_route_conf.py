@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import load, validate
+from prefixgate.proxy.config.gateway import load, validate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

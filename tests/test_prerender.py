@@ -8,12 +8,12 @@ import pytest
 
 from model_factory import tiny_tokenizer
 from prefixgate.backend.demo import write_tokenizer_files
-from prefixgate.backend.tokenizer import Tokenizer
-from prefixgate.plugins.prefix_keys import block_hash_chain
+from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.common.schema import ConfigError
 from test_tokenizer import QWEN_STYLE_TEMPLATE
 
 SYSTEM = ("You are a careful assistant for Northwind Cloud.\n  Rules:\n1. Be brief.  \n"

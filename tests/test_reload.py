@@ -12,8 +12,8 @@ import yaml
 
 from hardening_support import serve_process  # noqa: F401  (fixture)
 from helpers import CHAT, event_json, read_events
-from prefixgate.proxy import config as config_mod
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.common.schema import ConfigError
 
 
 async def stream(client, url, **standin):

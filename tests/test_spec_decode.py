@@ -42,7 +42,7 @@ from prefixgate.backend.sequence import Sequence
 from prefixgate.backend.spec_decode import (DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_MIN_ACCEPTANCE_RATE,
                                             NgramIndex, SpecConfigError, Speculator, StepCost,
                                             parse_speculative_config, propose)
-from prefixgate.backend.tokenizer import IncrementalDecoder
+from prefixgate.common.tokenizer import IncrementalDecoder
 
 SPEC = parse_speculative_config({"num_speculative_tokens": 5, "prompt_lookup_max": 4,
                                  "prompt_lookup_min": 2})

@@ -23,7 +23,7 @@ from helpers import Serving
 from model_factory import make_tiny_model
 from prefixgate.backend.server import build_parser, speculative_config
 from prefixgate.backend.spec_decode import SpeculativeConfig
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
 
 K = 5

@@ -10,7 +10,7 @@ import pytest
 
 from engine_support import ServerThread
 from model_factory import make_tiny_model
-from prefixgate.backend.tokenizer import Tokenizer
+from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.token_forward import (StreamConverter, chat_to_completions,
                                               completion_to_chat, eligible)

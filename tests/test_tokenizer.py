@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from model_factory import make_tiny_model
-from prefixgate.backend.tokenizer import (
+from prefixgate.common.tokenizer import (
     ChatTemplateError, IncrementalDecoder, Tokenizer, TokenizerLoadError,
 )
 

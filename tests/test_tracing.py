@@ -9,10 +9,10 @@ import time
 import aiohttp
 import pytest
 
-from prefixgate.proxy import config as config_mod
-from prefixgate.proxy.spec import ConfigError
+from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.testing.otlp import OtlpReceiver
-from prefixgate.proxy.tracing import RateLimitedLog
+from prefixgate.common.tracing import RateLimitedLog
 
 from helpers import CHAT
 
@@ -216,7 +216,7 @@ async def test_engine_spans_join_the_gateways_trace_and_its_timing_reaches_the_l
 
 
 def test_the_export_encoding_is_what_opentelemetry_proto_decodes():
-    from prefixgate.proxy.span_export import CLIENT, SERVER, Encoder
+    from prefixgate.proxy.observe.span_export import CLIENT, SERVER, Encoder
     from prefixgate.proxy.testing.otlp import decode
 
     attrs = {"s": "ünïcode ✓", "t": True, "f": False, "i": 7, "neg": -3, "big": 2**62,

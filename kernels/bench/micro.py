@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         from prefixgate.kernels.bench.e2e import bench_e2e
         results["e2e"] = bench_e2e(a, device)
     if "spec" in a.only:
-        from prefixgate.kernels.bench.spec import bench_spec
+        from prefixgate.kernels.bench.speculative import bench_spec
         if device == "cuda":
             torch.cuda.empty_cache()
         results["spec"] = bench_spec(a, device)

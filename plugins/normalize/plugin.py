@@ -26,7 +26,7 @@ import json
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixgate.proxy.spec import ConfigError, Key, one_of, positive, non_negative
+from prefixgate.common.schema import ConfigError, Key, one_of, positive, non_negative
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 

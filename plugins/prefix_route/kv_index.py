@@ -8,7 +8,7 @@ and the map one of newer vLLM, `{"ts", "events", ...}` with each event `{"type":
 An engine's block hashes depend on its hash function and seed (vLLM: sha256 or a seeded
 hash; ours: xxh64), so they cannot be compared with the gateway's keys. Instead each stored
 block is keyed by its event's `token_ids` run through the gateway's own chain
-(`prefix_keys.block_hash_chain`, continued from the parent block's key): the same key
+(`common.block_hash.block_hash_chain`, continued from the parent block's key): the same key
 `prefix_route` computes for a prompt with those tokens. That needs the engine's block size
 to equal `block_tokens` (an event with another block size is ignored and counted) and the
 parent of a stored run to be known (its `BlockStored` came first, or it is the root); a run
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain
+from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 
 MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # bits of the media a block is held in
 OTHER_MEDIUM = 4                          # a medium we do not know (disk, ...): still held

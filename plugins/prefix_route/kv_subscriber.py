@@ -53,7 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from zmq.utils.monitor import parse_monitor_message
 
 from prefixgate.plugins.prefix_route.kv_index import EventFormatError, KVEventIndex, decode_batch
-from prefixgate.proxy.server import cancel_and_wait
+from prefixgate.common.runtime import cancel_and_wait
 
 log = logging.getLogger("prefixgate.kv_events")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.proxy.server import cancel_and_wait
+from prefixgate.common.runtime import cancel_and_wait
 
 log = logging.getLogger("prefixgate.load_poll")
 

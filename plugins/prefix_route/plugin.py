@@ -56,7 +56,7 @@ import xxhash
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from prefixgate.proxy.spec import ConfigError, Key, non_negative, one_of, positive
+from prefixgate.common.schema import ConfigError, Key, non_negative, one_of, positive
 from prefixgate.plugins.prefix_route.kv_subscriber import KVEventFeeds
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
 from prefixgate.proxy.chain import plugin_entry
@@ -64,7 +64,8 @@ from prefixgate.proxy.plugin import Plugin
 
 from prefixgate.plugins.prefix_route.hash_ring import HashRing
 from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
-from prefixgate.plugins.prefix_keys import (DynamicSpans, block_hash_chain, byte_hash_chain,
+from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.plugins.prefix_keys import (DynamicSpans, byte_hash_chain,
                                             prompt_token_ids, render, render_parts, tail_hash)
 from prefixgate.proxy.lru import LRU
 

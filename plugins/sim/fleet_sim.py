@@ -42,7 +42,7 @@ import numpy as np
 
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
+from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
 
 from prefixgate.plugins.prefix_route.kv_index import decode_batch

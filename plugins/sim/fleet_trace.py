@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixgate.plugins.prefix_keys import ROOT_HASH, block_hash_chain
+from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 
 
 POOL = 1 << 23     # token ids drawn once; segments start at random offsets in it

@@ -24,7 +24,7 @@ import statistics
 import time
 import uuid
 
-from prefixgate.proxy.server import run_on_uvloop
+from prefixgate.common.runtime import run_on_uvloop
 
 MINUTE_WORDS = ["orders", "refunds", "shipping", "accounts", "invoices", "warranty", "returns",
                 "coupons", "billing", "security", "privacy", "delivery"]
@@ -95,7 +95,7 @@ class CharTokens:
 
 def bench_normalize(tokenizer, sizes, n: int) -> dict:
     from prefixgate.proxy.app import Gateway
-    from prefixgate.proxy.config import validate
+    from prefixgate.proxy.config.gateway import validate
     from prefixgate.proxy.context import RequestContext
 
     out = {}
@@ -166,7 +166,7 @@ async def bench_loop_stall(model_dir, tokenizer, size: int, n: int) -> dict:
     """Longest event-loop stall while prerender handles cold (uncached) long prompts, with the
     work inline on the loop vs in a thread (`inline_chars`)."""
     from prefixgate.proxy.app import Gateway
-    from prefixgate.proxy.config import validate
+    from prefixgate.proxy.config.gateway import validate
     from prefixgate.proxy.context import RequestContext
 
     systems = [make_system_prompt(tokenizer, size, seed=100 + i) for i in range(2 * n)]
@@ -217,8 +217,8 @@ async def bench_ttft(model_dir, tokenizer, n: int) -> dict:
 
     from prefixgate.backend.server import start_server
     from prefixgate.proxy.app import Gateway
-    from prefixgate.proxy.config import validate
-    from prefixgate.proxy.server import start_app
+    from prefixgate.proxy.config.gateway import validate
+    from prefixgate.common.runtime import start_app
 
     engine = await start_server(["--model", str(model_dir), "--served-model-name", "m"],
                                 host="127.0.0.1", port=0)
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from prefixgate.backend.demo import ensure_demo_model
-    from prefixgate.backend.tokenizer import Tokenizer
+    from prefixgate.common.tokenizer import Tokenizer
 
     model_dir = ensure_demo_model()
     tok = Tokenizer.from_dir(model_dir)

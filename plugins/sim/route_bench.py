@@ -22,13 +22,14 @@ import sys
 import time
 
 from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config import validate
+from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
 
 from prefixgate.plugins.sim import index_bench
 from prefixgate.plugins.sim.fleet_sim import EVENT_DELAY_S
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
-from prefixgate.plugins.prefix_keys import block_hash_chain, byte_hash_chain, render
+from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.plugins.prefix_keys import byte_hash_chain, render
 
 POLICIES = {
     "round_robin": ["round_robin"],

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from prefixgate.proxy import server_timing as st
+from prefixgate.common import server_timing as st
 
 
 @dataclass

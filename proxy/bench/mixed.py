@@ -18,7 +18,7 @@ import asyncio
 import sys
 from dataclasses import asdict, dataclass
 
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, stream_once
@@ -26,7 +26,7 @@ from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
 from prefixgate.proxy.bench.stats import fmt
 from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
                                            measure, request_body, run_demo_scenario, start_engines)
-from prefixgate.proxy.server import start_app
+from prefixgate.common.runtime import start_app
 
 LAYOUTS = {"mixed": ["both", "both"], "pd": ["prefill", "decode"]}
 

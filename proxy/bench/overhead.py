@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixgate.proxy.bundled import free_port
-from prefixgate.proxy.server import install_uvloop, wait_ready
+from prefixgate.common.runtime import install_uvloop, wait_ready
 
 NGINX_CONF = """
 worker_processes auto;

@@ -34,7 +34,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 class Lengths:
-    """Counts tokens exactly (a `Tokenizer` from prefixgate.backend.tokenizer) or roughly."""
+    """Counts tokens exactly (a `Tokenizer` from prefixgate.common.tokenizer) or roughly."""
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
@@ -128,7 +128,7 @@ def load_tokenizer(path: str | None):
     """`--tokenizer DIR` (or "demo"): a Tokenizer, or None for approximate lengths."""
     if not path:
         return None
-    from prefixgate.backend.tokenizer import Tokenizer
+    from prefixgate.common.tokenizer import Tokenizer
     if path == "demo":
         from prefixgate.backend.demo import ensure_demo_model
         path = str(ensure_demo_model())

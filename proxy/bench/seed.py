@@ -36,15 +36,15 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
-from prefixgate.proxy import config as config_mod
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import fmt, reduction, summarize
 from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
                                            measure, request_body, run_demo_scenario, start_engines)
-from prefixgate.proxy.doctor import metrics as pm
-from prefixgate.proxy.server import start_app
+from prefixgate.proxy.doctor import scrape as pm
+from prefixgate.common.runtime import start_app
 
 
 @dataclass

@@ -29,7 +29,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from prefixgate.proxy.server import install_uvloop
+from prefixgate.common.runtime import install_uvloop
 from prefixgate.proxy.testing.standin import Behaviour, StandIn, _chunk, _prompt_len
 
 

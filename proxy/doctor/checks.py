@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.trace import Trace
 
 MIN_EVENTS = 4              # content events needed to judge the arrival pattern
@@ -101,7 +101,7 @@ def client_vs_server(client_ttft: float | None, server_ttft: float | None,
                    f" ({source}): no time lost in between", data=data)
 
 
-# The TTFT breakdown, from the Server-Timing header (prefixgate.proxy.server_timing): the
+# The TTFT breakdown, from the Server-Timing header (prefixgate.common.server_timing): the
 # gateway's entries, the engine's, and what neither accounts for. Per segment: its label in the
 # detail, what the verdict calls it, the status when it dominates, and the fix.
 FIX_IN_BETWEEN = ("time between the client and the server: a buffering proxy, the network, or "

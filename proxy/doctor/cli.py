@@ -32,7 +32,7 @@ from prefixgate.proxy.bench.archive import snapshot
 from prefixgate.proxy.bench.prompts import load_tokenizer, words
 from prefixgate.proxy.bench.target import TargetError, auth_headers, base_url, pick_model
 from prefixgate.proxy.doctor import checks as checks
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
 from prefixgate.proxy.doctor.trace import trace_stream
 

@@ -13,7 +13,7 @@ import copy
 import json
 
 from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
-from prefixgate.proxy.spec import check
+from prefixgate.common.schema import check
 
 from prefixgate.proxy.doctor.checks import FIX_DYNAMIC, SHAREABLE_LOW, Finding
 

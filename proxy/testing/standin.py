@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from aiohttp import web
 from multidict import CIMultiDict
 
-from prefixgate.proxy.server import install_uvloop, start_app
+from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.proxy.testing.surface import (Surface, answer_model, model_cards, model_not_found,
                                               paced_tokens, was_reset)
 

@@ -20,7 +20,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from prefixgate.proxy.spec import ConfigError, Key, check, positive
+from prefixgate.common.schema import ConfigError, Key, check, positive
 
 log = logging.getLogger("prefixgate.tracing")
 

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from prefixgate.proxy.tracing import RateLimitedLog, traces_url
+from prefixgate.common.tracing import RateLimitedLog, traces_url
 
 log = logging.getLogger("prefixgate.tracing")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from prefixgate.proxy import server_timing
+from prefixgate.common import server_timing
 
 # the gateway's segments, in the order they happen (also the metrics' `stage` labels)
 STAGES = ("gateway", "queue", "connect", "upstream_ttft")

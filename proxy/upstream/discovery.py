@@ -28,9 +28,9 @@ import logging
 import socket
 from typing import Awaitable, Callable
 
-from prefixgate.proxy.server import cancel_and_wait
-from prefixgate.proxy.spec import ConfigError, Key, check, one_of, positive
-from prefixgate.proxy.upstream import KV_EVENTS, UPSTREAM, tcp_endpoint
+from prefixgate.common.runtime import cancel_and_wait
+from prefixgate.common.schema import ConfigError, Key, check, one_of, positive
+from prefixgate.proxy.upstream.upstreams import KV_EVENTS, UPSTREAM, tcp_endpoint
 
 log = logging.getLogger("prefixgate.discovery")
 

@@ -1,4 +1,4 @@
-"""Engine-to-engine KV transfer vs recomputing the prompt: `python -m prefixgate.backend.bench_kv_transfer`.
+"""Engine-to-engine KV transfer vs recomputing the prompt: `python -m prefixgate.backend.bench.kv_handover`.
 
 Two engine processes on loopback (the demo model on CPU unless told otherwise): a prefill engine
 and a decode engine. Each repeat takes a fresh random prompt (no prefix-cache hits anywhere):
@@ -20,9 +20,9 @@ import sys
 
 import aiohttp
 
-from prefixgate.backend.bench import run_report_save
-from prefixgate.proxy import server_timing
-from prefixgate.proxy.server import wait_ready
+from prefixgate.backend.bench.serving import run_report_save
+from prefixgate.common import server_timing
+from prefixgate.common.runtime import wait_ready
 
 LEG1 = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -118,7 +118,7 @@ def report(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench_kv_transfer",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.kv_handover",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--prompt-tokens", type=int, default=2048)

@@ -1,4 +1,4 @@
-"""The second KV tier vs recomputing evicted prefixes: `python -m prefixgate.backend.bench_kv_tier`.
+"""The second KV tier vs recomputing evicted prefixes: `python -m prefixgate.backend.bench.offload`.
 
 A tenant set twice the size of the device KV cache: 16 tenants, each a 1,024-token prefix (its
 system prompt), and a device cache with room for 6 of them. Every request is one tenant's
@@ -22,10 +22,10 @@ import time
 
 import aiohttp
 
-from prefixgate.backend.bench import run_report_save
+from prefixgate.backend.bench.serving import run_report_save
 from prefixgate.backend.server import start_server
 from prefixgate.proxy.bench.stats import percentile
-from prefixgate.proxy.doctor import metrics as pm
+from prefixgate.proxy.doctor import scrape as pm
 
 TARGET_P50 = 3.0
 TIER_COUNTERS = ("kv_offload_stored_blocks", "kv_offload_loaded_blocks", "kv_offload_hit_tokens",
@@ -78,7 +78,7 @@ async def tier_counters(session, url: str) -> dict[str, float]:
 
 async def run(args) -> dict:
     from prefixgate.backend.engine import _resolve_model_dir
-    from prefixgate.backend.tokenizer import Tokenizer
+    from prefixgate.common.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
     rng = random.Random(args.seed)
@@ -146,7 +146,7 @@ def report(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench_kv_tier",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.offload",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--device", default="cpu")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from prefixgate.proxy import access_log, breakdown, usage
-from prefixgate.proxy.access_log import AccessLog
-from prefixgate.proxy.span_export import SpanExport
+from prefixgate.proxy.observe import access_log
+from prefixgate.proxy.observe import breakdown
+from prefixgate.proxy.observe import usage
+from prefixgate.proxy.observe.access_log import AccessLog
+from prefixgate.proxy.observe.span_export import SpanExport
 
 # where a proxied request's RequestContext waits for the middleware (aiohttp >= 3.12 has typed keys)
 CTX_KEY = (web.RequestKey("prefixgate.ctx", object) if hasattr(web, "RequestKey")

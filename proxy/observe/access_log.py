@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from prefixgate.proxy.spec import ConfigError, Key, check, one_of
+from prefixgate.common.schema import ConfigError, Key, check, one_of
 
 log = logging.getLogger("prefixgate.access")
 

@@ -6,8 +6,8 @@ from typing import Callable
 
 import aiohttp
 
-from prefixgate.proxy.h1pool import Pool
-from prefixgate.proxy.spec import ConfigError, Key, check, one_of, positive
+from prefixgate.proxy.upstream.h1pool import Pool
+from prefixgate.common.schema import ConfigError, Key, check, one_of, positive
 
 TIMEOUTS = {
     "connect": Key((int, float), 5.0, positive),

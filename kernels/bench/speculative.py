@@ -1,5 +1,5 @@
 """Speculative-decoding part of the kernel benchmark: the core of
-`python -m prefixgate.backend.bench_spec_decode` on the GPU. Two engines on one model (prompt
+`python -m prefixgate.backend.bench.speculative` on the GPU. Two engines on one model (prompt
 lookup drafts vs plain decoding; Triton kernels, CUDA graphs for the steps without drafts),
 stepped alternately, each request 128 greedy tokens; decode tok/s and TPOT p50 from each
 request's first token, at batch 1 and 16, on the "quoting" workload (prompts whose greedy
@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def bench_spec(a, device: str) -> dict:
-    from prefixgate.backend import bench_spec_decode as sd
+    from prefixgate.backend.bench import speculative as sd
     from prefixgate.kernels.bench.e2e import QWEN2_0_5B, TINY, make_model_dir
 
     cpu = device == "cpu"

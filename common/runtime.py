@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from prefixgate.proxy.errors import HTTPError
+from prefixgate.common.errors import HTTPError
 
 log = logging.getLogger("prefixgate.server")
 

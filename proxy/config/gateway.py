@@ -15,9 +15,13 @@ import yaml
 
 from prefixgate.backend.kv_events import KVEventsConfigError, engine_configs, parse_kv_events_config
 from prefixgate.backend.spec_decode import SpecConfigError, parse_speculative_config
-from prefixgate.proxy import access_log, auth, discovery, health, pd, tracing
-from prefixgate.proxy.spec import REQUIRED, ConfigError, Key, check, non_negative, one_of, positive
-from prefixgate.proxy.upstream import TIMEOUTS, check_upstreams
+from prefixgate.proxy import auth, pd
+from prefixgate.proxy.observe import access_log
+from prefixgate.proxy.upstream import discovery
+from prefixgate.proxy.upstream import health
+from prefixgate.common import tracing
+from prefixgate.common.schema import REQUIRED, ConfigError, Key, check, non_negative, one_of, positive
+from prefixgate.proxy.upstream.upstreams import TIMEOUTS, check_upstreams
 
 MODEL = {
     "tokenizer": Key(str, None),     # dir with tokenizer.json (+ chat template)

@@ -1,4 +1,4 @@
-"""Engine benchmarks on CPU with the demo model: `python -m prefixgate.backend.bench`.
+"""Engine benchmarks on CPU with the demo model: `python -m prefixgate.backend.bench.serving`.
 
 Each figure is a ratio against a baseline measured in the same run, through the real HTTP
 server (streamed completions with token-id prompts, so tokenization is not measured):
@@ -224,7 +224,7 @@ def _hf_one_by_one(model, batch: list[list[int]], new_tokens: int) -> float:
 
 async def run(args) -> dict:
     from prefixgate.backend.engine import _resolve_model_dir
-    from prefixgate.backend.tokenizer import Tokenizer
+    from prefixgate.common.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
     prompts = Prompts(vocab, args.seed)
@@ -296,7 +296,7 @@ def run_report_save(run, report, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c,d")
     p.add_argument("--repeats", type=int, default=3)

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding vs plain decoding: `python -m prefixgate.backend.bench_spec_decode`.
+"""Prompt-lookup speculative decoding vs plain decoding: `python -m prefixgate.backend.bench.speculative`.
 
 Two engines on the same model and engine args, one with `--speculative-config` (default
 {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}), driven directly
@@ -399,7 +399,7 @@ def _report_sweep(summary: dict) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench_spec_decode", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help="model directory, or demo (default)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
