@@ -99,6 +99,3 @@ class DecodeGraphRunner:
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]
-
-
-DecodeGraphs = DecodeGraphRunner   # the name the kernels brief used

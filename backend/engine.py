@@ -25,51 +25,23 @@ import torch
 
 from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
+from prefixgate.backend.config import EngineArgs, check_kv_offloading
 from prefixgate.common.block_hash import ROOT_HASH
-from prefixgate.backend.kv_events import KVEventPublisher, KVEventsConfig, KVEventsConfigError, KVEventSink
+from prefixgate.backend.kv_events import KVEventPublisher, KVEventSink
 from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
                                              parse_bytes)
 from prefixgate.backend.sampling import SamplingParams, find_stop_string
 from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
-from prefixgate.backend.spec_decode import SpeculativeConfig, Speculator
+from prefixgate.backend.spec_decode import Speculator
 from prefixgate.backend.warmup import WarmupError, WarmupReport, warm_up
 from prefixgate.common.runtime import cancel_and_wait
+from prefixgate.common.schema import ConfigError
 
 log = logging.getLogger("prefixgate.engine")
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30          # 1 GiB of KV cache on CPU unless told otherwise
 CUDA_MEMORY_FRACTION = 0.85              # of the memory left free after loading the weights
-
-
-@dataclass
-class EngineArgs:
-    model: str = "demo"
-    dtype: str | None = None
-    device: str = "auto"
-    load_format: str = "mmap"                    # mmap | eager: how weights are read (backend/loader.py)
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | int | None = None     # bytes, or a size such as "2GiB"
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None   # None: 512 on CPU, 2048 on CUDA
-    long_prefill_token_threshold: int = 0
-    step_overhead_tokens: int | None = None      # None: 32 on CPU, 0 (fill steps) on CUDA
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    enforce_eager: bool = False                  # no CUDA graphs
-    served_model_name: str | None = None
-    role: str = "both"                           # prefill | decode | both (KV hand-over, backend/kv_transfer.py)
-    kv_transfer_host: str | None = None          # None: the server's --host
-    kv_transfer_port: int = 0                    # 0: a free port
-    kv_transfer_timeout: float = 30.0            # seconds held blocks wait for their pull
-    speculative_config: SpeculativeConfig | None = None   # prompt-lookup drafts (backend/spec_decode.py)
-    kv_offloading_size: float | None = None      # GiB of second KV tier (backend/kv_tier.py); None/0: off
-    kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
-    kv_events_config: KVEventsConfig | None = None   # vLLM's KV events (backend/kv_events.py); None: off
 
 
 @dataclass
@@ -106,7 +78,8 @@ class LLMEngine:
         from prefixgate.common.tokenizer import IncrementalDecoder, Tokenizer
 
         self.args = args
-        kv_tier.check_args(args.kv_offloading_size, args.kv_offloading_path, args.enable_prefix_caching)
+        check_kv_offloading(args.kv_offloading_size, args.kv_offloading_path,
+                            args.enable_prefix_caching)
         self.model_dir = _resolve_model_dir(args.model)
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
@@ -157,8 +130,8 @@ class LLMEngine:
                         "will be published")
         try:
             publisher = KVEventPublisher(config)
-        except KVEventsConfigError as e:       # the endpoint cannot be bound (in use, ...)
-            raise ValueError(f"--kv-events-config: {e}") from None
+        except ConfigError as e:       # the endpoint cannot be bound (in use, ...)
+            raise ConfigError("--kv-events-config", str(e)) from None
         self.block_manager.events = KVEventSink(self.args.block_size, ROOT_HASH)
         if self.kv_tier is not None:
             self.kv_tier.events = self.block_manager.events

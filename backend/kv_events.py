@@ -3,12 +3,9 @@ second KV tier) gained and lost, published over ZMQ so that a router can index w
 engine holds (llm-d's KV-cache indexer, the gateway's `prefix_route`), with a replay socket
 for batches a subscriber missed.
 
-Config: vLLM's `--kv-events-config` JSON, with vLLM's keys and defaults (KVEventsConfig):
-`enable_kv_cache_events` (false), `publisher` ("zmq" when enabled, else "null"), `endpoint`
-("tcp://*:5557"), `replay_endpoint` (none), `buffer_steps` (10000 batches kept for replay),
-`hwm` (100000, the PUB socket's send high-water mark), `max_queue_size` (100000 batches
-waiting for the publisher thread), `topic` (""). A TCP port 0 binds a free port (the log and
-`KVEventPublisher.endpoint` name it). Events are published only when enabled with "zmq".
+Config: vLLM's `--kv-events-config` JSON, with vLLM's keys and defaults (`KVEventsConfig` in
+backend/config.py). A TCP port 0 binds a free port (the log and `KVEventPublisher.endpoint`
+name it). Events are published only when enabled with "zmq".
 
 Sockets: a PUB socket binds the endpoint when it contains `*` or `::` or is `ipc://` or
 `inproc://` (vLLM's rule), or has port 0 (there is nothing to connect to: ours, so that
@@ -71,14 +68,12 @@ with linger 0: it never waits for a subscriber, and there may be none. The socke
 ZMQ context of their own, ended by `close()`, so the ports are free once it returns (an
 `inproc://` subscriber in the same process uses `KVEventPublisher.context`).
 
-Pure Python and msgpack; ZMQ is imported by the publisher only, so the gateway checks
-`bundled.kv_events_config` with this module without loading it.
+Pure Python and msgpack; ZMQ is imported by the publisher only: recording and encoding
+events (`KVEventSink`, `encode_batch`) needs none.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -88,188 +83,17 @@ from dataclasses import dataclass
 
 import msgpack
 
-from prefixgate.common.schema import json_flag
+from prefixgate.backend.config import KVEventsConfig, binds
+from prefixgate.common.schema import ConfigError
 
 log = logging.getLogger("prefixgate.engine")
 
 MEDIUM_GPU = "GPU"          # the device KV cache, whatever the device (vLLM's name)
 MEDIUM_CPU = "CPU"          # the second KV tier (vLLM's KV offloading medium)
-PUBLISHERS = ("null", "zmq")
-SCHEMES = ("tcp", "ipc", "inproc")
 DATA_PARALLEL_RANK = 0      # one engine, one rank
 END_SEQ = (-1).to_bytes(8, "big", signed=True)     # the replay's end marker
 _REPLAY_POLL_S = 0.05       # the longest a replay request waits while no batch is queued
 _CLOSE_TIMEOUT_S = 5.0      # close(): at most this long to send what is queued
-
-
-class KVEventsConfigError(ValueError):
-    """A bad `--kv-events-config`; `key` names the offending key ("" for the whole value)."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}" if key else reason)
-        self.key, self.reason = key, reason
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None        # None: "zmq" when enabled, else "null" (vLLM's rule)
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    def to_json(self) -> str:
-        """The value of `--kv-events-config` that gives this config."""
-        return json.dumps(dataclasses.asdict(self))
-
-
-_KEYS = tuple(f.name for f in dataclasses.fields(KVEventsConfig))
-_DEFAULT = KVEventsConfig()
-
-
-def parse_kv_events_config(raw: str | dict | None) -> KVEventsConfig | None:
-    """vLLM's `--kv-events-config` (JSON text or a dict) checked; None when not given."""
-    raw = json_flag(raw, _KEYS, KVEventsConfigError)
-    if raw is None:
-        return None
-    enabled = _typed(raw, "enable_kv_cache_events", bool, "a boolean")
-    publisher = _typed(raw, "publisher", str, "a string", "zmq" if enabled else "null")
-    if publisher not in PUBLISHERS:
-        raise KVEventsConfigError("publisher", f"{publisher!r} is not supported (null or zmq)")
-    endpoint = check_endpoint("endpoint", _typed(raw, "endpoint", str, "a string"))
-    replay = _typed(raw, "replay_endpoint", (str, type(None)), "a string or null")
-    if replay is not None:
-        check_endpoint("replay_endpoint", replay)
-        if binds(endpoint) and _address(replay) is not None and _address(replay) == _address(endpoint):
-            raise KVEventsConfigError("replay_endpoint", f"{replay} takes the endpoint's address too; "
-                                                         f"give it another")
-    counts = {key: _typed(raw, key, int, "an integer") for key in ("buffer_steps", "hwm", "max_queue_size")}
-    for key, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
-        if counts[key] < least:
-            raise KVEventsConfigError(key, f"must be >= {least}, got {counts[key]}"
-                                      + (" (0: no limit)" if key == "hwm" else ""))
-    return KVEventsConfig(enabled, publisher, endpoint, replay, topic=_typed(raw, "topic", str, "a string"),
-                          **counts)
-
-
-def _typed(raw: dict, key: str, types, what: str, default=None):
-    """`raw[key]` if of `types` (a bool is no integer); absent: `default`, else vLLM's."""
-    if key not in raw:
-        return getattr(_DEFAULT, key) if default is None else default
-    value = raw[key]
-    allowed = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise KVEventsConfigError(key, f"must be {what}, got {json.dumps(value)[:80]}")
-    return value
-
-
-def check_endpoint(key: str, endpoint: str) -> str:
-    """A ZMQ endpoint `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`; KVEventsConfigError names `key`."""
-    scheme, sep, address = endpoint.partition("://")
-    if not sep or scheme not in SCHEMES or not address:
-        raise KVEventsConfigError(key, f"must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
-    if scheme == "tcp":
-        host, colon, port = address.rpartition(":")
-        if not colon or not host or not port.isdigit() or int(port) > 65535:
-            raise KVEventsConfigError(key, f"needs HOST:PORT with a port in 0..65535 (0: a free one), "
-                                           f"got {endpoint!r}")
-    return endpoint
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard or local endpoint is bound, any other connected to; and a port
-    0 is bound (a free port: nothing to connect to)."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-            or (endpoint.startswith("tcp://") and endpoint.endswith(":0")))
-
-
-# --- several engines on one host (bundled engines) ------------------------------------------
-
-def engine_configs(config: KVEventsConfig, count: int, free_port=None) -> list[KVEventsConfig]:
-    """The configs of `count` engines on one host, so no two bind the same address.
-
-    Engine i moves each endpoint it binds by i times the number of endpoints it binds (as
-    vLLM offsets by data-parallel rank, but with the replay port counted): 5557 and 5558 give
-    engine 1 5559 and 5560, engine 2 5561 and 5562. An ipc path gets "-i"; an endpoint it
-    connects to stays (one subscriber can take every engine's connection). A port 0 stays
-    0 (each engine binds a free one), or becomes `free_port()` when given, so the launcher
-    knows each engine's port; it needs the wildcard host (`tcp://*:0`), since with a port
-    `tcp://HOST:PORT` connects. KVEventsConfigError names the key of a port out of range, an
-    inproc endpoint (another process cannot reach it), a port 0 on a named host, or ports
-    that collide anyway."""
-    keys = [key for key in ("endpoint", "replay_endpoint")
-            if getattr(config, key) is not None and (key == "replay_endpoint" or binds(getattr(config, key)))]
-    for key in keys:
-        endpoint = getattr(config, key)
-        if endpoint.startswith("inproc://") and count > 1:
-            raise KVEventsConfigError(key, "inproc:// reaches only the engine's own process; "
-                                           "use tcp:// or ipc:// for separate engines")
-        if key == "endpoint" and _address(endpoint) is None and "*" not in endpoint and "::" not in endpoint:
-            raise KVEventsConfigError(key, f"{endpoint}: for bundled engines a free port needs the wildcard "
-                                           f"host, tcp://*:0 (given its port, tcp://HOST:PORT connects)")
-    configs, taken = [], {}
-    for i in range(count):
-        moved = {key: _moved(key, getattr(config, key), i, len(keys), free_port) for key in keys}
-        for key, endpoint in moved.items():
-            address = _address(endpoint)
-            if address in taken:
-                other, other_key = taken[address]
-                raise KVEventsConfigError(key, f"engine {i} would bind {endpoint}, the address of engine "
-                                               f"{other}'s {other_key}; leave more ports between them")
-            if address is not None:
-                taken[address] = (i, key)
-        configs.append(dataclasses.replace(config, **moved))
-    return configs
-
-
-def _moved(key: str, endpoint: str, index: int, stride: int, free_port) -> str:
-    """`endpoint` for the `index`-th engine (see engine_configs)."""
-    scheme, _, address = endpoint.partition("://")
-    if scheme != "tcp":
-        return f"{endpoint}-{index}" if index else endpoint
-    host, _, port = address.rpartition(":")
-    if int(port) == 0:
-        return f"tcp://{host}:{free_port()}" if free_port is not None else endpoint
-    port = int(port) + index * stride
-    if port > 65535:
-        raise KVEventsConfigError(key, f"{endpoint} moved up by {index * stride} for engine {index} "
-                                       f"is past port 65535")
-    return f"tcp://{host}:{port}"
-
-
-def _address(endpoint: str) -> str | None:
-    """What two bound endpoints must not share: a TCP port (whatever the host), an ipc path;
-    None for port 0 (a free port each)."""
-    scheme, _, address = endpoint.partition("://")
-    if scheme != "tcp":
-        return endpoint
-    port = address.rpartition(":")[2]
-    return None if port == "0" else f"tcp port {port}"
-
-
-def subscriber_endpoint(endpoint: str, host: str) -> str | None:
-    """Where a subscriber on this host connects to reach a bound `endpoint` (its wildcard
-    host replaced by `host`); None for an endpoint the engine connects to itself."""
-    if not binds(endpoint):
-        return None
-    scheme, _, address = endpoint.partition("://")
-    if scheme != "tcp":
-        return endpoint
-    bound_host, _, port = address.rpartition(":")
-    if bound_host in ("*", "[::]", "::"):
-        bound_host = f"[{host}]" if ":" in host else host
-    return f"tcp://{bound_host}:{port}"
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -354,7 +178,7 @@ class KVEventPublisher:
     """The PUB socket (and the replay ROUTER) with the thread that feeds them."""
 
     def __init__(self, config: KVEventsConfig):
-        import zmq      # here: the gateway validates configs with this module and needs no ZMQ
+        import zmq      # here: recording and encoding events needs no ZMQ
 
         self._zmq = zmq
         self.config = config
@@ -384,7 +208,7 @@ class KVEventPublisher:
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
                 self.replay_endpoint = self._open(self._replay, "replay_endpoint", config.replay_endpoint,
                                                   bind=True)
-        except KVEventsConfigError:
+        except ConfigError:
             self._close_sockets()
             raise
         self._thread = threading.Thread(target=self._run, name="prefixgate-kv-events", daemon=True)
@@ -401,7 +225,8 @@ class KVEventPublisher:
             sock.bind(endpoint)
         except self._zmq.ZMQError as e:
             why = self._zmq.strerror(e.errno)
-            raise KVEventsConfigError(key, f"{endpoint}: cannot {'bind' if bind else 'connect'} ({why})") from None
+            action = "bind" if bind else "connect"
+            raise ConfigError(key, f"{endpoint}: cannot {action} ({why})") from None
         return sock.getsockopt_string(self._zmq.LAST_ENDPOINT)
 
     # --- the engine thread ---------------------------------------------------------------

@@ -55,25 +55,6 @@ FILE_PREFIX = "prefixgate-kv-tier-"
 BlockKey = tuple[int, int, tuple[int, ...]]     # block hash, parent hash, token ids
 
 
-def check_args(size_gib: float | None, path: str | None, enable_prefix_caching: bool = True) -> None:
-    """The offloading flags checked before anything is loaded; ValueError names the flag."""
-    if path is not None and not size_gib:
-        raise ValueError("--kv-offloading-path: needs --kv-offloading-size (GiB) to turn the tier on")
-    if size_gib is None or size_gib == 0:
-        return
-    if not math.isfinite(size_gib) or size_gib < 0:
-        raise ValueError(f"--kv-offloading-size: must be > 0 (GiB; 0 or absent: no second tier), "
-                         f"got {size_gib:g}")
-    if not enable_prefix_caching:
-        raise ValueError("--kv-offloading-size: the second KV tier is keyed by prefix-cache hashes; "
-                         "drop --no-prefix-caching")
-    if path is not None:
-        if not os.path.isdir(path):
-            raise ValueError(f"--kv-offloading-path: {path}: no such directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"--kv-offloading-path: {path}: not writable")
-
-
 @dataclass(slots=True)
 class _Entry:
     slot: int

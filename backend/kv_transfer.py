@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from prefixgate.backend.config import ROLES
 from prefixgate.backend.engine import AsyncEngine, RequestStream
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.sequence import Sequence
@@ -50,7 +51,6 @@ from prefixgate.common.errors import HTTPError
 
 log = logging.getLogger("prefixgate.kv_transfer")
 
-ROLES = ("prefill", "decode", "both")
 PROTOCOL_VERSION = 1
 FRAME = struct.Struct("!cQ")           # kind, payload length
 MAX_CONTROL_BYTES = 1 << 20            # a J frame larger than this is a protocol error

@@ -23,11 +23,9 @@ Load formats (`--load-format`, as vLLM's flag; our values):
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +33,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
-from prefixgate.backend.models import ConfigError, LlamaConfig, build_model
+from prefixgate.backend.config import LOAD_FORMATS
+from prefixgate.backend.models import LlamaConfig, build_model
+from prefixgate.common.schema import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -43,7 +43,6 @@ MANIFEST_NAMES = ("SHA256SUMS", "manifest.sha256")
 _MANIFEST_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 # Tensors some exporters add that carry no weights we need.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-LOAD_FORMATS = ("mmap", "eager")    # proxy/config.py lists them too (it must not import torch)
 
 
 class WeightError(Exception):
@@ -275,24 +274,3 @@ def write_manifest(model_dir: str | Path) -> Path:
     path = model_dir / MANIFEST_NAMES[0]
     path.write_text("".join(lines))
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`prefixgate verify-weights DIR`: print the report; exit 1 on any problem."""
-    parser = argparse.ArgumentParser(
-        prog="prefixgate verify-weights",
-        description="Check a checkpoint dir: shard index vs files, sha256 manifest, tensor names and shapes.",
-    )
-    parser.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
-    parser.add_argument("--write-manifest", action="store_true",
-                        help=f"after the checks pass, record the weight files' hashes in {MANIFEST_NAMES[0]}")
-    args = parser.parse_args(argv)
-    report = verify_weights(args.model_dir)
-    print(report.render())
-    if report.ok and args.write_manifest:
-        print(f"wrote {write_manifest(args.model_dir)}")
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) speculative decoding: the config, the drafts, and when not to draft.
+"""Prompt-lookup (n-gram) speculative decoding: the drafts, and when not to draft.
 
 A decoding sequence whose last tokens (an n-gram of `prompt_lookup_min`..`prompt_lookup_max`
 tokens) occurred earlier in its prompt or output is guessed to go on as it went on then: the
@@ -22,82 +22,20 @@ A draft costs compute whether or not it is accepted, so it is skipped (the step 
   sequence skips its next 4 drafts (it finds the n-gram but does not draft), twice as many each
   time it fails again, then one draft probes whether its text has started quoting. Drafts, not
   steps: in free text matches are rare, and a pause counted in steps would end before the next.
-Defaults: `python -m prefixgate.backend.bench.speculative --sweep` (README: speculative decoding).
-
-Pure Python (no torch): the gateway validates `bundled.speculative_config` with it.
+The config (`--speculative-config`, `SpeculativeConfig`) and its defaults are in
+backend/config.py; they come from `python -m prefixgate.backend.bench.speculative --sweep`
+(README: speculative decoding).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from prefixgate.backend.config import SpeculativeConfig
 
-from prefixgate.common.schema import json_flag
-
-METHODS = ("ngram",)
-# Defaults, from `bench_spec_decode --sweep` on the README's 2-core CPU: drafting quoted text
-# still paid at batch 64 (1.18x), so no batch cap (vLLM's default too) — the break-even bar
-# already rises with the batch; free text broke even at an acceptance rate of 0.06 at batch 1,
-# the floor sits just above it for the steps before the cost fit has seen drafted steps.
-DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
-DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 _RATE_WEIGHT = 0.5              # the newest draft's share of the moving average
 _FIRST_PAUSE, _MAX_PAUSE = 4, 256   # drafts a sequence skips after failing
 _MAX_CANDIDATES = 64            # earlier occurrences of the n-gram examined per draft
 _COST_DECAY = 0.995             # per step: the cost fit remembers ~200 recent decode steps
 _COST_MIN_STEPS = 8.0           # weight of steps seen before the fit is trusted
 _COST_MAX_RISE = 1.25           # a step counts at most this times what the standing fit predicts
-
-
-class SpecConfigError(ValueError):
-    """A bad `--speculative-config`; `key` names the offending key ("" for the whole value)."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}" if key else reason)
-        self.key, self.reason = key, reason
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 5
-    prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE     # None: no cap
-    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
-    method: str = "ngram"
-
-
-def parse_speculative_config(raw: str | dict | None) -> SpeculativeConfig | None:
-    """vLLM's `--speculative-config` (JSON text or a dict) checked; None when not given."""
-    known = ("disable_by_batch_size", "method", "min_acceptance_rate", "num_speculative_tokens",
-             "prompt_lookup_max", "prompt_lookup_min")
-    raw = json_flag(raw, known, SpecConfigError)
-    if raw is None:
-        return None
-    method = raw.get("method", "ngram")
-    if method not in METHODS:
-        raise SpecConfigError("method", f"{method!r} is not supported (only 'ngram': prompt lookup)")
-    if "num_speculative_tokens" not in raw:
-        raise SpecConfigError("num_speculative_tokens", "is required (the draft length, e.g. 5)")
-    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
-    values = {"num_speculative_tokens": raw["num_speculative_tokens"], "prompt_lookup_min": lo,
-              "prompt_lookup_max": hi,
-              "disable_by_batch_size": raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)}
-    # Check the values as given, before a missing lookup bound is copied from the other one:
-    # a bad prompt_lookup_max given alone must be reported as prompt_lookup_max, not _min.
-    for key, value in values.items():
-        if value is None and key != "num_speculative_tokens":     # not given: a default follows
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SpecConfigError(key, f"must be a positive integer, got {value!r}")
-    if lo is None and hi is None:
-        lo = hi = 5                     # vLLM's defaults
-    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-    values["prompt_lookup_min"], values["prompt_lookup_max"] = lo, hi
-    if lo > hi:
-        raise SpecConfigError("prompt_lookup_min", f"{lo} is more than prompt_lookup_max ({hi})")
-    rate = raw.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
-        raise SpecConfigError("min_acceptance_rate", f"must be a number in [0, 1], got {rate!r}")
-    return SpeculativeConfig(method=method, min_acceptance_rate=float(rate), **values)
 
 
 class NgramIndex:

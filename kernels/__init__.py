@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.common import pick_backend
+from prefixgate.kernels.shared import pick_backend
 from prefixgate.kernels.decode_attention_ref import decode_attention_ref
 from prefixgate.kernels.prefill_attention_ref import prefill_attention_ref
 from prefixgate.kernels.write_kv_ref import write_kv_ref

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from prefixgate.kernels.common import is_fp8, kv_scales
+from prefixgate.kernels.shared import is_fp8, kv_scales
 
 # enable_gqa arrived in torch 2.5; older versions get K/V heads repeated instead.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.common import is_fp8
+from prefixgate.kernels.shared import is_fp8
 from prefixgate.kernels.triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, pow2, scale_args
 
 

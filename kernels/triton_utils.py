@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.common import is_fp8, kv_scales
+from prefixgate.kernels.shared import is_fp8, kv_scales
 
 LOG2E = 1.4426950408889634
 

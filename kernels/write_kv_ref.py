@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.common import is_fp8, kv_scales, quantize_fp8
+from prefixgate.kernels.shared import is_fp8, kv_scales, quantize_fp8
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

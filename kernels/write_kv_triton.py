@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.common import FP8_MAX, is_fp8
+from prefixgate.kernels.shared import FP8_MAX, is_fp8
 from prefixgate.kernels.triton_utils import pow2, scale_args
 
 

@@ -1,7 +1,7 @@
 """Standalone mode: launch the bundled engine as child processes and proxy to them.
 
 With `bundled.kv_events_config` every engine gets `--kv-events-config` with ports of its own
-(backend/kv_events.py `engine_configs`: engine i moves each port it binds by i times the
+(backend/config.py `engine_configs`: engine i moves each port it binds by i times the
 number it binds, so 5557/5558 become 5559/5560 for engine 1; a port 0 becomes a free port
 chosen here), and `kv_events_endpoints` / `kv_events_replay_endpoints` say where a subscriber
 on the gateway's host reaches each engine's sockets.
@@ -13,7 +13,8 @@ import json
 import socket
 import sys
 
-from prefixgate.backend.kv_events import engine_configs, parse_kv_events_config, subscriber_endpoint
+from prefixgate.backend.config import (engine_configs, parse_kv_events_config,
+                                       subscriber_endpoint)
 from prefixgate.common.runtime import wait_ready
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
@@ -65,7 +66,7 @@ class BundledEngines:
         """Launch the engines and wait until each one's /health says 200, which is after its
         warm-up (wait_ready takes the 503 meanwhile, like a refused connection, as "not yet")."""
         for i, (port, role) in enumerate(zip(self.ports, self.roles)):
-            cmd = [sys.executable, "-m", "prefixgate.backend.server", "--model", self.cfg["model"],
+            cmd = [sys.executable, "-m", "prefixgate.backend", "--model", self.cfg["model"],
                    "--host", self.cfg["host"], "--port", str(port), "--role", role,
                    *self.engine_args(i)]
             self.procs.append(await asyncio.create_subprocess_exec(*cmd))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import importlib
 import importlib.resources
 import logging
 import shlex
@@ -20,20 +19,19 @@ from prefixgate.proxy import pd
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.common.schema import ConfigError
 
-# subcommands implemented elsewhere: name -> module whose main(argv) -> int runs it
+# subcommands with a command line of their own (run_delegated): name -> help
 DELEGATED = {
-    "backend": ("prefixgate.backend.server", "serve a model with the bundled engine"),
-    "verify-weights": ("prefixgate.backend.loader", "check a checkpoint's shards, hashes, keys"),
-    "bench": ("prefixgate.proxy.bench.cli", "measure TTFT/TPOT/goodput against a URL"),
-    "doctor": ("prefixgate.proxy.doctor.cli", "diagnose TTFT problems of an OpenAI-compatible URL"),
+    "backend": "serve a model with the bundled engine",
+    "verify-weights": "check a checkpoint's shards, hashes, keys",
+    "bench": "measure TTFT/TPOT/goodput against a URL",
+    "doctor": "diagnose TTFT problems of an OpenAI-compatible URL",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:
-        module = importlib.import_module(DELEGATED[argv[0]][0])
-        return module.main(argv[1:]) or 0
+        return run_delegated(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "serve":
@@ -115,9 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "and exit without starting anything")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(parser=serve)
-    for name, (_, help_text) in DELEGATED.items():
+    for name, help_text in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def run_delegated(name: str, argv: list[str]) -> int:
+    """A DELEGATED subcommand's own main(argv); imported only when it runs, so `prefixgate
+    serve` loads neither the engine nor the tools."""
+    if name == "backend":
+        from prefixgate.backend.cli import main as command
+    elif name == "verify-weights":
+        from prefixgate.backend.cli import verify_weights_main as command
+    elif name == "bench":
+        from prefixgate.proxy.bench.cli import main as command
+    else:
+        from prefixgate.proxy.doctor.cli import main as command
+    return command(argv) or 0
 
 
 def check_serve_args(args) -> None:

@@ -13,6 +13,7 @@ import threading
 import aiohttp
 import torch
 
+from prefixgate.backend.cli import parse_args
 from prefixgate.backend.server import start_server
 
 
@@ -49,7 +50,7 @@ class ServerThread:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            server = await start_server(self.argv, host="127.0.0.1", port=0)
+            server = await start_server(parse_args(self.argv), host="127.0.0.1", port=0)
         except BaseException as e:
             self._error = e
             self._ready.set()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixgate.kernels.common import FP8_DTYPE, kv_scales
+from prefixgate.kernels.shared import FP8_DTYPE, kv_scales
 
 
 @dataclass

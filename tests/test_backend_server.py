@@ -208,12 +208,12 @@ async def test_fp8_kv_cache_serves(model_dir):
 
 
 async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
-    """`python -m prefixgate.backend.server`, as the gateway's standalone mode launches it."""
+    """`python -m prefixgate.backend`, as the gateway's standalone mode launches it."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixgate.backend.server", "--model", str(model_dir), "--port", str(port),
+        sys.executable, "-m", "prefixgate.backend", "--model", str(model_dir), "--port", str(port),
         "--log-level", "warning", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -234,7 +234,7 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
     (["--kv-cache-dtype", "int3"], "kv_cache_dtype"),
 ])
 def test_cli_reports_bad_settings_without_a_traceback(model_dir, flags, needle, capsys):
-    from prefixgate.backend.server import main
+    from prefixgate.backend.cli import main
 
     argv = ["--model", str(model_dir), *flags] if flags[0] != "--model" else flags
     assert main([*argv, "--port", "0"]) == 1

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 from model_factory import make_tiny_model  # noqa: E402
 
 from prefixgate.backend.attention import AttentionMetadata  # noqa: E402
-from prefixgate.backend.engine import EngineArgs, LLMEngine  # noqa: E402
+from prefixgate.backend.config import EngineArgs  # noqa: E402
+from prefixgate.backend.engine import LLMEngine  # noqa: E402
 from prefixgate.backend.loader import load_model  # noqa: E402
 from prefixgate.backend.sampling import SamplingParams  # noqa: E402
 

@@ -9,7 +9,8 @@ import pytest
 
 from engine_support import ServerThread
 from model_factory import VOCAB_SIZE, make_tiny_model
-from prefixgate.backend.server import LONG_TEXT_CHARS, build_parser, engine_args, main
+from prefixgate.backend.cli import build_parser, engine_args, main
+from prefixgate.backend.server import LONG_TEXT_CHARS
 from prefixgate.common.tokenizer import Tokenizer
 
 MAX_LEN = 1024

@@ -210,7 +210,7 @@ async def test_an_unreachable_collector_costs_no_request(traced):
 @pytest.mark.parametrize("flag,needle", [("http://127.0.0.1:4318", "needs the OpenTelemetry SDK"),
                                          ("ftp://collector", "must be an http(s) URL")])
 def test_a_tracing_flag_that_cannot_work_is_one_line_at_start(flag, needle, monkeypatch, capsys):
-    from prefixgate.backend.server import main
+    from prefixgate.backend.cli import main
 
     if "SDK" in needle:     # as if the `otel` extra were not installed
         monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
@@ -220,8 +220,8 @@ def test_a_tracing_flag_that_cannot_work_is_one_line_at_start(flag, needle, monk
 
 
 def test_without_the_flag_nothing_of_opentelemetry_is_imported():
-    code = ("import sys; from prefixgate.backend import server; "
-            "ns = server.build_parser().parse_args([]); assert server.tracing_config(ns) is None; "
+    code = ("import sys; from prefixgate.backend import cli; "
+            "ns = cli.build_parser().parse_args([]); assert cli.tracing_config(ns) is None; "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -4,7 +4,8 @@ prefill step of the demo model page-faults 7-36k pages in again (~15% of the ste
 import random
 import resource
 
-from prefixgate.backend.engine import EngineArgs, LLMEngine
+from prefixgate.backend.config import EngineArgs
+from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.model_runner import keep_freed_host_memory
 from prefixgate.backend.sampling import SamplingParams
 

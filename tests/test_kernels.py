@@ -102,7 +102,7 @@ def test_backend_choice_and_lazy_triton_import():
     import subprocess
     import sys
     code = ("import sys, torch, prefixgate.kernels as k\n"
-            "from prefixgate.kernels.common import pick_backend\n"
+            "from prefixgate.kernels.shared import pick_backend\n"
             "assert pick_backend(None, torch.zeros(1)) == 'torch' and pick_backend('auto', torch.zeros(1)) == 'torch'\n"
             "assert 'triton' not in sys.modules, 'importing prefixgate.kernels pulled in triton'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -38,9 +38,9 @@ import zmq
 from engine_support import ServerThread, complete_ids, metrics
 from model_factory import VOCAB_SIZE
 
-from prefixgate.backend import server as backend_server
-from prefixgate.backend.engine import EngineArgs, LLMEngine
-from prefixgate.backend.kv_events import parse_kv_events_config
+from prefixgate.backend import cli as backend_cli
+from prefixgate.backend.config import EngineArgs, parse_kv_events_config
+from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.kv_tier import GIB
 from prefixgate.backend.model_runner import kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
@@ -382,16 +382,16 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("raw,message", BAD_CONFIGS)
 def test_bad_kv_events_configs_name_the_key(raw, message):
-    ns = backend_server.build_parser().parse_args(["--kv-events-config", raw])
+    ns = backend_cli.build_parser().parse_args(["--kv-events-config", raw])
     with pytest.raises(ValueError) as e:
-        backend_server.engine_args(ns)
+        backend_cli.engine_args(ns)
     assert str(e.value).startswith(f"--kv-events-config: {message}"), str(e.value)
 
 
 @pytest.mark.parametrize("raw,message", BAD_CONFIGS[:4])
 def test_prefixgate_backend_exits_1_before_loading_the_model(raw, message, capsys):
     # --model names no model dir: the flag must fail before anything is loaded
-    assert backend_server.main(["--model", "/no/such/model", "--port", "0", "--kv-events-config", raw]) == 1
+    assert backend_cli.main(["--model", "/no/such/model", "--port", "0", "--kv-events-config", raw]) == 1
     assert f"--kv-events-config: {message}" in capsys.readouterr().err
 
 
@@ -456,12 +456,12 @@ def test_each_bundled_engine_gets_its_own_ports_as_the_flag():
     cfg = config_mod.validate({"bundled": {"instances": 3, "kv_events_config": events,
                                            "args": ["--max-num-seqs", 8]}})
     engines = BundledEngines(cfg["bundled"])
-    parser = backend_server.build_parser()
+    parser = backend_cli.build_parser()
     got = []
     for i in range(3):
         args = engines.engine_args(i)
         assert args[:2] == ["--max-num-seqs", "8"] and args[2] == "--kv-events-config"
-        c = backend_server.engine_args(parser.parse_args(args)).kv_events_config
+        c = backend_cli.engine_args(parser.parse_args(args)).kv_events_config
         got.append((c.endpoint, c.replay_endpoint, c.topic))
     assert got == [("tcp://*:5557", "tcp://*:5558", TOPIC), ("tcp://*:5559", "tcp://*:5560", TOPIC),
                    ("tcp://*:5561", "tcp://*:5562", TOPIC)]

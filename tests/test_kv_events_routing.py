@@ -15,6 +15,7 @@ import pytest
 
 from engine_support import ServerThread
 from hardening_support import free_port
+from prefixgate.backend.cli import parse_args
 from prefixgate.backend.server import start_server
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.common.block_hash import block_hash_chain
@@ -43,7 +44,7 @@ class Engine(ServerThread):
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            self.server = await start_server(self.argv, host="127.0.0.1", port=self.port)
+            self.server = await start_server(parse_args(self.argv), host="127.0.0.1", port=self.port)
         except BaseException as e:
             self._error = e
             self._ready.set()

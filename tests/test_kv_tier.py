@@ -33,8 +33,9 @@ from prometheus_client import generate_latest
 from engine_support import ServerThread, complete_ids, metrics
 from model_factory import VOCAB_SIZE
 
-from prefixgate.backend import server as backend_server
-from prefixgate.backend.engine import EngineArgs, LLMEngine
+from prefixgate.backend import cli as backend_cli
+from prefixgate.backend.config import EngineArgs
+from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.kv_tier import FILE_PREFIX, GIB
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.model_runner import KV_CACHE_DTYPES, kv_block_bytes
@@ -287,18 +288,18 @@ def test_an_unwritable_path_fails_the_engine_at_start(model_dir, tmp_path):
     (["--kv-offloading-size", "-2"], "prefixgate backend: --kv-offloading-size: must be > 0"),
 ])
 def test_bad_offloading_flags_exit_the_backend_with_the_message(model_dir, flags, message, capsys):
-    assert backend_server.main(["--model", model_dir, "--dtype", "float32", "--port", "0",
+    assert backend_cli.main(["--model", model_dir, "--dtype", "float32", "--port", "0",
                                 "--num-kv-blocks", "8", *flags]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(message), err
 
 
 def test_the_flags_reach_the_engine_args(tmp_path):
-    ns = backend_server.build_parser().parse_args(["--kv-offloading-size", "2.5",
+    ns = backend_cli.build_parser().parse_args(["--kv-offloading-size", "2.5",
                                                    "--kv-offloading-path", str(tmp_path)])
-    args = backend_server.engine_args(ns)
+    args = backend_cli.engine_args(ns)
     assert (args.kv_offloading_size, args.kv_offloading_path) == (2.5, str(tmp_path))
-    off = backend_server.engine_args(backend_server.build_parser().parse_args(["--kv-offloading-size", "0"]))
+    off = backend_cli.engine_args(backend_cli.build_parser().parse_args(["--kv-offloading-size", "0"]))
     assert off.kv_offloading_size is None
 
 
@@ -330,7 +331,7 @@ def test_bundled_offloading_keys_become_the_engines_flags(tmp_path):
                                            "kv_offloading_path": str(tmp_path)}})
     args = BundledEngines(cfg["bundled"]).engine_args()
     assert args == ["--max-num-seqs", "8", "--kv-offloading-size", "1.5", "--kv-offloading-path", str(tmp_path)]
-    ea = backend_server.engine_args(backend_server.build_parser().parse_args(args))
+    ea = backend_cli.engine_args(backend_cli.build_parser().parse_args(args))
     assert (ea.kv_offloading_size, ea.kv_offloading_path) == (1.5, str(tmp_path))
     own = config_mod.validate({"bundled": {"args": ["--kv-offloading-size", "3"], "kv_offloading_size": 1}})
     assert BundledEngines(own["bundled"]).engine_args() == ["--kv-offloading-size", "3"]

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import make_tiny_model
-from prefixgate.backend.loader import WeightError, load_model, main, verify_weights
+from prefixgate.backend.cli import verify_weights_main as main
+from prefixgate.backend.loader import WeightError, load_model, verify_weights
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ def test_both_load_formats_give_identical_weights_and_logits(which, dtype, reque
 
 
 def test_an_unknown_load_format_is_refused(model_dir, capsys):
-    from prefixgate.backend.server import build_parser, engine_args
+    from prefixgate.backend.cli import build_parser, engine_args
 
     with pytest.raises(ValueError, match="load format 'bogus': use one of mmap, eager"):
         load_model(model_dir, load_format="bogus")

@@ -36,12 +36,13 @@ from model_factory import VOCAB_SIZE, PagedCache, make_tiny_model
 
 from prefixgate.backend import spec_decode
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.backend.engine import EngineArgs, LLMEngine
+from prefixgate.backend.config import (DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_MIN_ACCEPTANCE_RATE,
+                                       EngineArgs, parse_speculative_config)
+from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.sampling import SamplingParams, verify
 from prefixgate.backend.sequence import Sequence
-from prefixgate.backend.spec_decode import (DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_MIN_ACCEPTANCE_RATE,
-                                            NgramIndex, SpecConfigError, Speculator, StepCost,
-                                            parse_speculative_config, propose)
+from prefixgate.backend.spec_decode import NgramIndex, Speculator, StepCost, propose
+from prefixgate.common.schema import ConfigError
 from prefixgate.common.tokenizer import IncrementalDecoder
 
 SPEC = parse_speculative_config({"num_speculative_tokens": 5, "prompt_lookup_max": 4,
@@ -757,7 +758,7 @@ def test_parse_speculative_config_defaults_and_values():
     ([("num_speculative_tokens", 2)], ""),
 ])
 def test_parse_speculative_config_errors_name_the_key(raw, key):
-    with pytest.raises(SpecConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         parse_speculative_config(raw)
     assert err.value.key == key
     assert isinstance(err.value, ValueError)

@@ -21,8 +21,8 @@ import yaml
 from engine_support import ServerThread
 from helpers import Serving
 from model_factory import make_tiny_model
-from prefixgate.backend.server import build_parser, speculative_config
-from prefixgate.backend.spec_decode import SpeculativeConfig
+from prefixgate.backend.cli import build_parser, speculative_config
+from prefixgate.backend.config import SpeculativeConfig
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
 
@@ -390,7 +390,7 @@ def test_a_bad_speculative_config_stops_the_engine_at_once_naming_the_flag_and_k
         '{"method": "eagle", "num_speculative_tokens": 5}': "method",
     }
     procs = {value: subprocess.Popen(
-        [sys.executable, "-m", "prefixgate.backend.server", "--model", str(model_dir),
+        [sys.executable, "-m", "prefixgate.backend", "--model", str(model_dir),
          "--port", "0", "--speculative-config", value],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for value in bad}
     try:

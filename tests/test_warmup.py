@@ -25,6 +25,7 @@ from engine_support import metrics
 from helpers import Serving, assert_openai_error
 from model_factory import make_tiny_model
 from prefixgate.backend import warmup
+from prefixgate.backend.cli import parse_args
 from prefixgate.backend.server import start_server
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
@@ -55,8 +56,8 @@ def warmup_chunk_prompt(server) -> list[int]:
 async def test_health_and_generation_answer_503_until_the_warmup_has_run():
     # the SDK client is made first (tens of ms), so the window holds nothing but the probes
     client = openai.AsyncOpenAI(base_url="http://unset", api_key="none", max_retries=0)
-    server = await start_server(["--model", "demo", "--max-num-batched-tokens", "2048"], host="127.0.0.1",
-                                port=0, wait_for_warmup=False)
+    server = await start_server(parse_args(["--model", "demo", "--max-num-batched-tokens", "2048"]),
+                                host="127.0.0.1", port=0, wait_for_warmup=False)
     client = client.with_options(base_url=server.url + "/v1")
     try:
         async with aiohttp.ClientSession() as s:
@@ -89,8 +90,9 @@ async def test_health_and_generation_answer_503_until_the_warmup_has_run():
 async def test_the_warmup_leaves_no_trace(model_dir):
     """Counters, metrics, KV blocks and prefix cache as at start; the speculator has no step-cost
     sample. A KV cache of 8 blocks is too small for 16 warm-up sequences: that size is skipped."""
-    server = await start_server(["--model", str(model_dir), "--num-kv-blocks", "8", "--max-num-seqs", "16",
-                                 "--speculative-config", SPEC], host="127.0.0.1", port=0)
+    server = await start_server(parse_args(["--model", str(model_dir), "--num-kv-blocks", "8",
+                                            "--max-num-seqs", "16", "--speculative-config", SPEC]),
+                                host="127.0.0.1", port=0)
     try:
         report, core = server.engine.warmup_report, server.engine.engine
         assert report.batch_sizes == [1] and report.chunk_tokens > 0
@@ -115,8 +117,8 @@ async def test_the_warmup_leaves_no_trace(model_dir):
 
 
 async def test_skip_server_warmup_is_ready_at_once(model_dir):
-    server = await start_server(["--model", str(model_dir), "--skip-server-warmup"], host="127.0.0.1",
-                                port=0, wait_for_warmup=False)
+    server = await start_server(parse_args(["--model", str(model_dir), "--skip-server-warmup"]),
+                                host="127.0.0.1", port=0, wait_for_warmup=False)
     try:
         async with aiohttp.ClientSession() as s:
             async with s.get(server.url + "/health") as r:

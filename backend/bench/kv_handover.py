@@ -14,13 +14,12 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 
 import aiohttp
 
-from prefixgate.backend.bench.serving import run_report_save
+from prefixgate.backend.bench.serving import ENGINE_COMMAND, free_port, run_report_save
 from prefixgate.common import server_timing
 from prefixgate.common.runtime import wait_ready
 
@@ -28,16 +27,10 @@ LEG1 = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id"
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _engine(role: str, args) -> tuple[asyncio.subprocess.Process, str]:
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixgate.backend.server", "--model", args.model, "--role", role,
+        *ENGINE_COMMAND, "--model", args.model, "--role", role,
         "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks), "--kv-cache-dtype", args.kv_cache_dtype,
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning")
     url = f"http://127.0.0.1:{port}"

@@ -21,11 +21,12 @@ import sys
 import time
 
 import aiohttp
+import numpy
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.backend.bench.serving import run_report_save
+from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
-from prefixgate.proxy.bench.stats import percentile
-from prefixgate.proxy.doctor import scrape as pm
 
 TARGET_P50 = 3.0
 TIER_COUNTERS = ("kv_offload_stored_blocks", "kv_offload_loaded_blocks", "kv_offload_hit_tokens",
@@ -72,8 +73,19 @@ async def first_token(session, url: str, prompt: list[int]) -> tuple[float, int]
 async def tier_counters(session, url: str) -> dict[str, float]:
     """The tier's counters from the engine's /metrics (0 where it exposes none: tier off)."""
     async with session.get(url + "/metrics") as r:
-        m = pm.parse(await r.text())
-    return {name: m.get("prefixgate:" + name, 0.0) for name in TIER_COUNTERS}
+        totals = counter_totals(await r.text())
+    return {name: totals.get("prefixgate:" + name, 0.0) for name in TIER_COUNTERS}
+
+
+def counter_totals(exposition: str) -> dict[str, float]:
+    """Each counter of a Prometheus exposition (named without `_total`), summed over its
+    labels."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.type == "counter":
+            totals[family.name] = sum(s.value for s in family.samples
+                                      if s.name.endswith("_total"))
+    return totals
 
 
 async def run(args) -> dict:
@@ -84,8 +96,9 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     fresh = lambda n: [rng.randrange(16, vocab) for _ in range(n)]   # noqa: E731
     prefixes = [fresh(args.prefix_tokens) for _ in range(args.tenants)]
-    servers = {"off": await start_server(engine_flags(args, False), host="127.0.0.1", port=0),
-               "on": await start_server(engine_flags(args, True), host="127.0.0.1", port=0)}
+    servers = {arm: await start_server(engine_server_args(engine_flags(args, tier)),
+                                       host="127.0.0.1", port=0)
+               for arm, tier in (("off", False), ("on", True))}
     samples = {arm: [] for arm in servers}
     try:
         async with aiohttp.ClientSession() as s:
@@ -115,7 +128,8 @@ def summarize(args, samples: dict, counters: dict) -> dict:
     for arm, xs in samples.items():
         ttft = [x["ttft_s"] for x in xs]
         cached = sum(x["cached_tokens"] for x in xs)
-        arms[arm] = {"ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p95_ms": percentile(ttft, 95) * 1e3,
+        p50, p95 = numpy.percentile(ttft, [50, 95])    # linear between closest ranks
+        arms[arm] = {"ttft_p50_ms": p50 * 1e3, "ttft_p95_ms": p95 * 1e3,
                      "revisits": len(xs), "cached_fraction": cached / (prompt_tokens * len(xs)),
                      "counters": counters[arm]}
     hit = counters["on"]["kv_offload_hit_tokens"]

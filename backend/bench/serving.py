@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,10 +28,18 @@ import time
 
 import aiohttp
 
+from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
-from prefixgate.proxy.bundled import free_port
 
 TARGETS = {"prefix_50": 1.8, "prefix_80": 3.5, "chunked_p95": 3.0, "throughput": 4.0}
+ENGINE_COMMAND = (sys.executable, "-m", "prefixgate.backend")    # `prefixgate backend`
+
+
+def free_port() -> int:
+    """A loopback port free now, for an engine process to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Prompts:
@@ -74,7 +83,8 @@ def p95(xs: list[float]) -> float:
 
 
 async def serve(model: str, *flags: str):
-    return await start_server(["--model", model, *flags], host="127.0.0.1", port=0)
+    return await start_server(engine_server_args(["--model", model, *flags]), host="127.0.0.1",
+                              port=0)
 
 
 async def bench_prefix(model: str, repeats: int, prompts: Prompts) -> dict:
@@ -155,11 +165,11 @@ FIRST_PROMPT_TOKENS = 64     # short, so a one-time cost is not hidden in the pr
 
 async def _fresh_start(session, model: str, flags: list[str], prompts: Prompts) -> dict:
     """Launch an engine process, poll /health from the start; then two requests, one by one."""
-    port = free_port("127.0.0.1")
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixgate.backend.server", "--model", model, "--port", str(port),
+        *ENGINE_COMMAND, "--model", model, "--port", str(port),
         "--log-level", "warning", *flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         listening = None

@@ -211,7 +211,8 @@ class _NoCost:
 
 
 def build_engines(args, spec_cfg):
-    from prefixgate.backend.engine import EngineArgs, LLMEngine
+    from prefixgate.backend.config import EngineArgs
+    from prefixgate.backend.engine import LLMEngine
 
     # A budget with room for a whole batch's prompts, so a cell's requests start decoding
     # within a step or two; everything else is the engine's defaults.
@@ -227,7 +228,7 @@ def build_engines(args, spec_cfg):
 def run(args) -> dict:
     """The whole benchmark for parsed `args` (see `parse_args`); returns the JSON-able result."""
     from prefixgate.backend.sampling import SamplingParams
-    from prefixgate.backend.spec_decode import parse_speculative_config
+    from prefixgate.backend.config import parse_speculative_config
 
     t0 = time.perf_counter()
     raw = dict(DEFAULT_SPEC if args.speculative_config is None else json.loads(args.speculative_config))
@@ -428,7 +429,7 @@ def parse_args(argv=None):
             setattr(a, k, v)
     a.batches = [int(x) for x in (a.batches or ("1,4,16,32,64" if a.sweep else "1,16")).split(",")]
     if a.speculative_config is not None:
-        from prefixgate.backend.spec_decode import parse_speculative_config
+        from prefixgate.backend.config import parse_speculative_config
         try:
             parse_speculative_config(a.speculative_config)
         except ValueError as e:

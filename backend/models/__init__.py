@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from prefixgate.backend.models.llama import ConfigError, LlamaConfig, LlamaForCausalLM
+from prefixgate.backend.models.llama import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["ConfigError", "LlamaConfig", "LlamaForCausalLM", "build_model"]
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "build_model"]
 
 
 def build_model(config: LlamaConfig) -> nn.Module:

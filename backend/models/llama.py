@@ -18,12 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixgate.backend.attention import AttentionMetadata, paged_attention
+from prefixgate.common.schema import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-
-class ConfigError(ValueError):
-    """config.json describes a model this engine cannot run."""
 
 
 @dataclass
@@ -52,26 +49,26 @@ class LlamaConfig:
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{path} not found") from None
+            raise ConfigError("", f"{path} not found") from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            raise ConfigError("", f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LlamaConfig":
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+            raise ConfigError("", f"model_type {model_type!r} is not supported "
+                                  f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if not isinstance(raw.get(key), int):
-                raise ConfigError(f"config.json: {key} is missing or not an integer")
+                raise ConfigError("config.json", f"{key} is missing or not an integer")
         if raw.get("mlp_bias"):
-            raise ConfigError("config.json: mlp_bias is not supported")
+            raise ConfigError("config.json", "mlp_bias is not supported")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+            raise ConfigError("config.json",
+                              f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         heads = raw["num_attention_heads"]
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and v is not None}
@@ -82,7 +79,8 @@ class LlamaConfig:
         values["rope_theta"], values["rope_scaling"] = _rope_settings(raw)
         values["max_position_embeddings"] = _context_limit(raw)
         if heads % values["num_key_value_heads"]:
-            raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+            raise ConfigError("config.json", "num_attention_heads must be a multiple of "
+                                              "num_key_value_heads")
         return cls(**values)
 
 
@@ -94,11 +92,12 @@ def _rope_settings(raw: dict) -> tuple[float, dict | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (default or llama3)")
+        raise ConfigError("config.json",
+                          f"rope type {rope_type!r} is not supported (default or llama3)")
     needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in needed if k not in params]
     if missing:
-        raise ConfigError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}")
+        raise ConfigError("config.json", f"llama3 rope scaling lacks {', '.join(missing)}")
     return theta, {"rope_type": "llama3", **{k: params[k] for k in needed}}
 
 

@@ -59,7 +59,8 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
 
 
 def run_engine(model_dir: Path, device: str, backend: str, eager: bool, requests, cpu: bool) -> dict:
-    from prefixgate.backend.engine import EngineArgs, LLMEngine
+    from prefixgate.backend.config import EngineArgs
+    from prefixgate.backend.engine import LLMEngine
     from prefixgate.backend.sampling import SamplingParams
 
     args = EngineArgs(model=str(model_dir), device=device, dtype="float32" if cpu else "bfloat16",

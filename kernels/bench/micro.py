@@ -7,8 +7,9 @@ Measures, with baselines timed in the same run:
            causal TFLOP/s vs torch SDPA (lower-right causal mask, contiguous KV)
   e2e      engine tokens/s and TTFT on a ~0.5B Qwen2-shaped random model, Triton + CUDA graphs vs
            the reference path (see e2e.py)
-  spec     prompt-lookup speculative decoding vs plain decoding (backend/bench_spec_decode.py's
-           core): decode tok/s and TPOT p50 at batch 1 and 16, quoting and free workloads (spec.py)
+  spec     prompt-lookup speculative decoding vs plain decoding (the core of
+           backend/bench/speculative.py): decode tok/s and TPOT p50 at batch 1 and 16, quoting
+           and free workloads (gpu_speculative.py)
 Prints medians, saves JSON (--json). `--cpu-smoke` runs tiny shapes through the Triton
 interpreter on CPU so the script itself stays tested where no GPU is lent.
 """
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         from prefixgate.kernels.bench.e2e import bench_e2e
         results["e2e"] = bench_e2e(a, device)
     if "spec" in a.only:
-        from prefixgate.kernels.bench.speculative import bench_spec
+        from prefixgate.kernels.bench.gpu_speculative import bench_spec
         if device == "cuda":
             torch.cuda.empty_cache()
         results["spec"] = bench_spec(a, device)

@@ -1,20 +1,19 @@
 """YAML config: safe-loaded, validated at start-up; every error names its key path.
 
-The building blocks (`Key`, `check`, `ConfigError`) are in proxy/spec.py; each module owns
-its keys' spec (upstreams: proxy/upstream.py, health, auth, discovery, each plugin). This
+The building blocks (`Key`, `check`, `ConfigError`) are in common/schema.py; each module owns
+its keys' spec (upstreams: proxy/upstream/upstreams.py, health, auth, discovery, each plugin;
+the bundled engines' settings: backend/config.py, as the engines check their flags). This
 module holds the top level and puts them together.
 """
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from prefixgate.backend.kv_events import KVEventsConfigError, engine_configs, parse_kv_events_config
-from prefixgate.backend.spec_decode import SpecConfigError, parse_speculative_config
+from prefixgate.backend.config import (LOAD_FORMATS, check_kv_offloading, engine_configs,
+                                       parse_kv_events_config, parse_speculative_config)
 from prefixgate.proxy import auth, pd
 from prefixgate.proxy.observe import access_log
 from prefixgate.proxy.upstream import discovery
@@ -31,15 +30,6 @@ MODEL_SINGLE = {
     **MODEL,
 }
 ANY_MODEL = "*"                      # `models:` entry for requests whose model has none
-
-
-def _writable_dir(path: str) -> str | None:
-    """Why `path` cannot hold a file (the engine checks again, naming its flag)."""
-    if not os.path.isdir(path):
-        return f"{path}: no such directory"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{path}: not writable"
-    return None
 
 
 TOP = {
@@ -61,15 +51,14 @@ TOP = {
         # vLLM's speculative_config (prompt lookup): passed as --speculative-config
         "speculative_config": Key(dict, None),
         # vLLM's kv_events_config: passed as --kv-events-config, each engine on its own ports
-        # (backend/kv_events.py engine_configs; a port 0: a free port per engine)
+        # (backend/config.py engine_configs; a port 0: a free port per engine)
         "kv_events_config": Key(dict, None),
-        # --load-format: mmap (page in on use, share the page cache) or eager (read before
-        # ready); backend/loader.py's LOAD_FORMATS, not imported here (it would import torch)
-        "load_format": Key(str, "mmap", one_of("mmap", "eager")),
-        # the second KV tier (backend/kv_tier.py): --kv-offloading-size GiB, --kv-offloading-path DIR
-        "kv_offloading_size": Key((int, float), None, lambda v: None if math.isfinite(v) and v >= 0
-                                  else "must be > 0 (GiB; 0: no second tier)"),
-        "kv_offloading_path": Key(str, None, _writable_dir),
+        # --load-format: mmap (page in on use, share the page cache) or eager (read before ready)
+        "load_format": Key(str, "mmap", one_of(*LOAD_FORMATS)),
+        # the second KV tier (backend/kv_tier.py): --kv-offloading-size GiB,
+        # --kv-offloading-path DIR; checked with the engine's own check (_bundled)
+        "kv_offloading_size": Key((int, float), None),
+        "kv_offloading_path": Key(str, None),
         "startup_timeout_s": Key((int, float), 600.0, positive),
     }),
     "model": Key(dict, dict, nested=MODEL_SINGLE),   # the single-model form of `models:`
@@ -138,11 +127,10 @@ def _bundled(cfg: dict) -> dict | None:
         return None
     try:
         parse_speculative_config(b["speculative_config"])
-    except SpecConfigError as e:
-        raise ConfigError("bundled.speculative_config" + (f".{e.key}" if e.key else ""),
-                          e.reason) from None
-    if b["kv_offloading_path"] is not None and not b["kv_offloading_size"]:
-        raise ConfigError("bundled.kv_offloading_path", "needs bundled.kv_offloading_size (GiB)")
+    except ConfigError as e:
+        raise e.under("bundled.speculative_config") from None
+    check_kv_offloading(b["kv_offloading_size"], b["kv_offloading_path"],
+                        name=lambda key: f"bundled.{key}")
     if bool(b["prefill"]) != bool(b["decode"]):
         raise ConfigError("bundled", "prefill and decode go together (e.g. prefill: 1, "
                                      "decode: 1): a P/D pair needs both")
@@ -161,8 +149,8 @@ def _check_kv_events(raw: dict | None, num_engines: int) -> None:
         config = parse_kv_events_config(raw)
         if config is not None:
             engine_configs(config, num_engines)
-    except KVEventsConfigError as e:
-        raise ConfigError("bundled.kv_events_config" + (f".{e.key}" if e.key else ""), e.reason) from None
+    except ConfigError as e:
+        raise e.under("bundled.kv_events_config") from None
 
 
 def _models(cfg: dict) -> dict[str, dict]:

@@ -48,10 +48,3 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     y = x.float() / scale[:, None]
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
-
-def dequantize(cache_rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache rows [..., num_kv_heads, head_dim] -> float32, applying per-head scale for FP8."""
-    x = cache_rows.float()
-    if scale is not None:
-        x = x * scale[:, None]
-    return x

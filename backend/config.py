@@ -1,0 +1,339 @@
+"""The engine's settings as plain Python: `EngineArgs` (what an engine is built from),
+`ServerArgs` (what `prefixgate backend` serves it with), and the parsers of the flags that take
+structured values: `--speculative-config`, `--kv-events-config`, the KV offloading flags.
+
+No torch, ZMQ or aiohttp here: this is the one engine module the gateway imports, to check its
+`bundled:` engines' settings as the engines will take them. Every bad value raises
+`prefixgate.common.schema.ConfigError` naming its key; the CLI puts the flag in front
+(`--kv-events-config: endpoint: ...`), the gateway its YAML path
+(`bundled.kv_events_config.endpoint: ...`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from prefixgate.common.schema import ConfigError, Key, at_least, json_flag
+
+LOAD_FORMATS = ("mmap", "eager")        # how weights are read (backend/loader.py)
+ROLES = ("prefill", "decode", "both")   # P/D roles (backend/kv_transfer.py)
+DEFAULT_MAX_TOKENS = 256                # a request's max_tokens when it sets none
+NULL = type(None)
+
+
+# --- --speculative-config: prompt-lookup drafts (backend/spec_decode.py) ------------------------
+
+METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5       # vLLM's prompt_lookup_min and _max when neither is given
+# Defaults, from `python -m prefixgate.backend.bench.speculative --sweep` on the README's 2-core
+# CPU: drafting quoted text still paid at batch 64 (1.18x), so no batch cap (vLLM's default
+# too): the break-even bar already rises with the batch; free text broke even at an acceptance
+# rate of 0.06 at batch 1, the floor sits just above it for the steps before the cost fit has
+# seen drafted steps.
+DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE     # None: no cap
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    method: str = "ngram"
+
+
+def _positive_int(value: int) -> str | None:
+    return None if value >= 1 else f"must be a positive integer, got {value}"
+
+
+def _supported_method(method: str) -> str | None:
+    if method in METHODS:
+        return None
+    return f"{method!r} is not supported (only 'ngram': prompt lookup)"
+
+
+def _rate(value: float) -> str | None:
+    return None if 0 <= value <= 1 else f"must be a number in [0, 1], got {value}"
+
+
+# a lookup bound not given is copied from the other one, after both were checked as given
+SPECULATIVE_KEYS = {
+    "method": Key(str, "ngram", _supported_method),
+    "num_speculative_tokens": Key(int, None, _positive_int),     # required: see below
+    "prompt_lookup_min": Key((int, NULL), None, _positive_int),
+    "prompt_lookup_max": Key((int, NULL), None, _positive_int),
+    "disable_by_batch_size": Key((int, NULL), DEFAULT_DISABLE_BY_BATCH_SIZE, _positive_int),
+    "min_acceptance_rate": Key((int, float), DEFAULT_MIN_ACCEPTANCE_RATE, _rate),
+}
+
+
+def parse_speculative_config(raw: str | dict | None) -> SpeculativeConfig | None:
+    """vLLM's `--speculative-config` (JSON text or a dict) checked; None when not given."""
+    values = json_flag(raw, SPECULATIVE_KEYS)
+    if values is None:
+        return None
+    if values["num_speculative_tokens"] is None:
+        raise ConfigError("num_speculative_tokens", "is required (the draft length, e.g. 5)")
+    lo, hi = values["prompt_lookup_min"], values["prompt_lookup_max"]
+    if lo is None and hi is None:
+        lo = hi = DEFAULT_PROMPT_LOOKUP
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    if lo > hi:
+        raise ConfigError("prompt_lookup_min", f"{lo} is more than prompt_lookup_max ({hi})")
+    return SpeculativeConfig(**{**values, "prompt_lookup_min": lo, "prompt_lookup_max": hi,
+                                "min_acceptance_rate": float(values["min_acceptance_rate"])})
+
+
+# --- --kv-events-config: KV cache events over ZMQ (backend/kv_events.py) ------------------------
+#
+# vLLM's keys and defaults: `enable_kv_cache_events` (false), `publisher` ("zmq" when enabled,
+# else "null"), `endpoint` ("tcp://*:5557"), `replay_endpoint` (none), `buffer_steps` (10000
+# batches kept for replay), `hwm` (100000, the PUB socket's send high-water mark),
+# `max_queue_size` (100000 batches waiting for the publisher thread), `topic` (""). A TCP port
+# 0 binds a free port. Events are published only when enabled with "zmq".
+
+PUBLISHERS = ("null", "zmq")
+SCHEMES = ("tcp", "ipc", "inproc")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None        # None: "zmq" when enabled, else "null" (vLLM's rule)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def to_json(self) -> str:
+        """The value of `--kv-events-config` that gives this config."""
+        return json.dumps(dataclasses.asdict(self))
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    """Why `endpoint` is no ZMQ endpoint `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or scheme not in SCHEMES or not address:
+        return f"must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}"
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not port.isdigit() or int(port) > 65535:
+            return f"needs HOST:PORT with a port in 0..65535 (0: a free one), got {endpoint!r}"
+    return None
+
+
+def _supported_publisher(publisher: str) -> str | None:
+    return None if publisher in PUBLISHERS else f"{publisher!r} is not supported (null or zmq)"
+
+
+_KV_DEFAULT = KVEventsConfig()
+KV_EVENTS_KEYS = {      # in KVEventsConfig's field order: the order messages list them in
+    "enable_kv_cache_events": Key(bool, _KV_DEFAULT.enable_kv_cache_events),
+    "publisher": Key(str, None, _supported_publisher),
+    "endpoint": Key(str, _KV_DEFAULT.endpoint, _endpoint_problem),
+    "replay_endpoint": Key((str, NULL), _KV_DEFAULT.replay_endpoint, _endpoint_problem),
+    "buffer_steps": Key(int, _KV_DEFAULT.buffer_steps, at_least(1)),
+    "hwm": Key(int, _KV_DEFAULT.hwm, at_least(0, " (0: no limit)")),
+    "max_queue_size": Key(int, _KV_DEFAULT.max_queue_size, at_least(1)),
+    "topic": Key(str, _KV_DEFAULT.topic),
+}
+
+
+def parse_kv_events_config(raw: str | dict | None) -> KVEventsConfig | None:
+    """vLLM's `--kv-events-config` (JSON text or a dict) checked; None when not given."""
+    values = json_flag(raw, KV_EVENTS_KEYS)
+    if values is None:
+        return None
+    endpoint, replay = values["endpoint"], values["replay_endpoint"]
+    if (replay is not None and binds(endpoint) and _address(replay) is not None
+            and _address(replay) == _address(endpoint)):
+        raise ConfigError("replay_endpoint", f"{replay} takes the endpoint's address too; "
+                                             f"give it another")
+    return KVEventsConfig(**values)
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard or local endpoint is bound, any other connected to; and a port
+    0 is bound (a free port: nothing to connect to)."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or (endpoint.startswith("tcp://") and endpoint.endswith(":0")))
+
+
+def engine_configs(config: KVEventsConfig, count: int, free_port=None) -> list[KVEventsConfig]:
+    """The configs of `count` engines on one host, so no two bind the same address.
+
+    Engine i moves each endpoint it binds by i times the number of endpoints it binds (as
+    vLLM offsets by data-parallel rank, but with the replay port counted): 5557 and 5558 give
+    engine 1 5559 and 5560, engine 2 5561 and 5562. An ipc path gets "-i"; an endpoint it
+    connects to stays (one subscriber can take every engine's connection). A port 0 stays
+    0 (each engine binds a free one), or becomes `free_port()` when given, so the launcher
+    knows each engine's port; it needs the wildcard host (`tcp://*:0`), since with a port
+    `tcp://HOST:PORT` connects. ConfigError names the key of a port out of range, an
+    inproc endpoint (another process cannot reach it), a port 0 on a named host, or ports
+    that collide anyway."""
+    keys = [key for key in ("endpoint", "replay_endpoint") if getattr(config, key) is not None
+            and (key == "replay_endpoint" or binds(getattr(config, key)))]
+    for key in keys:
+        _check_bundled_endpoint(key, getattr(config, key), count)
+    configs, taken = [], {}
+    for i in range(count):
+        moved = {key: _moved(key, getattr(config, key), i, len(keys), free_port) for key in keys}
+        for key, endpoint in moved.items():
+            address = _address(endpoint)
+            if address in taken:
+                other, other_key = taken[address]
+                raise ConfigError(key, f"engine {i} would bind {endpoint}, the address of engine "
+                                       f"{other}'s {other_key}; leave more ports between them")
+            if address is not None:
+                taken[address] = (i, key)
+        configs.append(dataclasses.replace(config, **moved))
+    return configs
+
+
+def _check_bundled_endpoint(key: str, endpoint: str, count: int) -> None:
+    """An endpoint that engines in processes of their own can each bind."""
+    if endpoint.startswith("inproc://") and count > 1:
+        raise ConfigError(key, "inproc:// reaches only the engine's own process; "
+                               "use tcp:// or ipc:// for separate engines")
+    wildcard = "*" in endpoint or "::" in endpoint
+    if key == "endpoint" and _address(endpoint) is None and not wildcard:
+        raise ConfigError(key, f"{endpoint}: for bundled engines a free port needs the wildcard "
+                               f"host, tcp://*:0 (given its port, tcp://HOST:PORT connects)")
+
+
+def _moved(key: str, endpoint: str, index: int, stride: int, free_port) -> str:
+    """`endpoint` for the `index`-th engine (see engine_configs)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return f"{endpoint}-{index}" if index else endpoint
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return f"tcp://{host}:{free_port()}" if free_port is not None else endpoint
+    port = int(port) + index * stride
+    if port > 65535:
+        raise ConfigError(key, f"{endpoint} moved up by {index * stride} for engine {index} "
+                               f"is past port 65535")
+    return f"tcp://{host}:{port}"
+
+
+def _address(endpoint: str) -> str | None:
+    """What two bound endpoints must not share: a TCP port (whatever the host), an ipc path;
+    None for port 0 (a free port each)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint
+    port = address.rpartition(":")[2]
+    return None if port == "0" else f"tcp port {port}"
+
+
+def subscriber_endpoint(endpoint: str, host: str) -> str | None:
+    """Where a subscriber on this host connects to reach a bound `endpoint` (its wildcard
+    host replaced by `host`); None for an endpoint the engine connects to itself."""
+    if not binds(endpoint):
+        return None
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint
+    bound_host, _, port = address.rpartition(":")
+    if bound_host in ("*", "[::]", "::"):
+        bound_host = f"[{host}]" if ":" in host else host
+    return f"tcp://{bound_host}:{port}"
+
+
+# --- --kv-offloading-size GiB, --kv-offloading-path DIR: the second KV tier (kv_tier.py) -------
+
+def flag_name(key: str) -> str:
+    """The command-line flag of an EngineArgs field: kv_offloading_size -> --kv-offloading-size."""
+    return "--" + key.replace("_", "-")
+
+
+def offloading_size_problem(size_gib: float) -> str | None:
+    if math.isfinite(size_gib) and size_gib >= 0:
+        return None
+    return f"must be > 0 (GiB; 0 or absent: no second tier), got {size_gib:g}"
+
+
+def writable_dir_problem(path: str) -> str | None:
+    """Why `path` cannot hold the tier's file (None: it can)."""
+    if not os.path.isdir(path):
+        return f"{path}: no such directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path}: not writable"
+    return None
+
+
+def check_kv_offloading(size_gib: float | None, path: str | None,
+                        enable_prefix_caching: bool = True, name=flag_name) -> None:
+    """The offloading settings checked before anything is loaded; ConfigError calls each
+    setting `name(key)` (its flag, unless told otherwise)."""
+    size_key, path_key = "kv_offloading_size", "kv_offloading_path"
+    if path is not None and not size_gib:
+        raise ConfigError(name(path_key), f"needs {name(size_key)} (GiB) to turn the tier on")
+    if not size_gib:
+        return
+    if (problem := offloading_size_problem(size_gib)) is not None:
+        raise ConfigError(name(size_key), problem)
+    if not enable_prefix_caching:
+        raise ConfigError(name(size_key), "the second KV tier is keyed by prefix-cache hashes; "
+                                          "drop --no-prefix-caching")
+    if path is not None and (problem := writable_dir_problem(path)) is not None:
+        raise ConfigError(name(path_key), problem)
+
+
+# --- the engine and its server ------------------------------------------------------------------
+
+@dataclass
+class EngineArgs:
+    model: str = "demo"
+    dtype: str | None = None
+    device: str = "auto"
+    load_format: str = "mmap"                    # one of LOAD_FORMATS (backend/loader.py)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int | None = None     # bytes, or a size such as "2GiB"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None   # None: 512 on CPU, 2048 on CUDA
+    long_prefill_token_threshold: int = 0
+    step_overhead_tokens: int | None = None      # None: 32 on CPU, 0 (fill steps) on CUDA
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False                  # no CUDA graphs
+    served_model_name: str | None = None
+    role: str = "both"                           # one of ROLES: KV hand-over (kv_transfer.py)
+    kv_transfer_host: str | None = None          # None: the server's --host
+    kv_transfer_port: int = 0                    # 0: a free port
+    kv_transfer_timeout: float = 30.0            # seconds held blocks wait for their pull
+    speculative_config: SpeculativeConfig | None = None   # prompt-lookup drafts; None: off
+    kv_offloading_size: float | None = None      # GiB of second KV tier; None/0: off
+    kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
+    kv_events_config: KVEventsConfig | None = None   # vLLM's KV events; None: off
+
+
+@dataclass
+class ServerArgs:
+    """An engine and how its HTTP server serves it (`prefixgate backend`'s flags)."""
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    host: str = "127.0.0.1"
+    port: int = 8000                             # 0: a free one
+    served_model_names: list[str] | None = None  # None: the engine's own name
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    warm_up: bool = True                         # False: --skip-server-warmup
+    tracing: dict | None = None                  # a checked common.tracing config; None: off

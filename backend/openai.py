@@ -1,0 +1,216 @@
+"""The OpenAI API's shapes for the bundled engine: request bodies checked and turned into
+sampling parameters, prompts and chat messages; responses (whole, SSE chunks, usage) built.
+
+Bad requests raise `HTTPError` 400s that name the field (code `invalid_value`, or
+`unsupported_value` for what the engine does not do), as vLLM answers them; a request for a
+model the server does not serve gets vLLM's 404 (`ModelNotFound`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from prefixgate.backend.sampling import SamplingParams
+from prefixgate.common.errors import HTTPError
+from prefixgate.common.runtime import parse_json_object
+from prefixgate.common.schema import is_type, json_value, type_name
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+async def json_body(request) -> dict:
+    """An aiohttp request's body, which must be one JSON object."""
+    return parse_json_object(await request.read())
+
+
+def body_field(body: dict, name: str, types, default=None, check=None, what=None):
+    """A typed, optional request field; bad values raise a 400 that names the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_type(value, types) or (check is not None and not check(value)):
+        raise HTTPError(400, f"'{name}' must be {what or type_name(types)}, "
+                             f"got {json_value(value)}", code="invalid_value")
+    return value
+
+
+def sampling_params(body: dict, prompt_len: int, max_model_len: int,
+                    default_max_tokens: int) -> SamplingParams:
+    if body_field(body, "n", int, 1) != 1:
+        raise HTTPError(400, "'n' other than 1 is not supported", code="unsupported_value")
+    for flag in ("logprobs", "echo"):
+        if body.get(flag) not in (None, False, 0):
+            raise HTTPError(400, f"'{flag}' is not supported by the bundled engine",
+                            code="unsupported_value")
+    room = max_model_len - prompt_len
+    positive = (lambda v: v >= 1, "a positive integer")
+    max_tokens = body_field(body, "max_completion_tokens", int, None, *positive)
+    max_tokens = body_field(body, "max_tokens", int, max_tokens, *positive)
+    stop = body_field(body, "stop", (str, list), [], lambda v: isinstance(v, str) or all(
+        isinstance(s, str) and s for s in v), "a string or a list of non-empty strings")
+    number = (int, float)
+    return SamplingParams(
+        max_tokens=min(max_tokens or default_max_tokens, room),
+        temperature=float(body_field(body, "temperature", number, 1.0, lambda v: v >= 0,
+                                     "a number >= 0")),
+        top_p=float(body_field(body, "top_p", number, 1.0, lambda v: 0 < v <= 1,
+                               "a number in (0, 1]")),
+        top_k=body_field(body, "top_k", int, 0, lambda v: v >= -1,
+                         "-1, 0 or a positive integer"),
+        seed=body_field(body, "seed", int, None, lambda v: -2**63 <= v < 2**64,
+                        "a 64-bit integer"),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop_token_ids=body_field(body, "stop_token_ids", list, [], lambda v: all(
+            is_type(t, int) for t in v), "a list of integers"),
+        ignore_eos=body_field(body, "ignore_eos", bool, False),
+    )
+
+
+class ModelNotFound(HTTPError):
+    """A request for a model this server does not serve: vLLM's 404, `param` included."""
+
+    def __init__(self, name: str):
+        super().__init__(404, f"The model `{name}` does not exist.", code=404, type="NotFoundError")
+
+    def payload(self) -> dict:
+        out = super().payload()
+        out["error"]["param"] = "model"
+        return out
+
+
+def check_model(body: dict, served: list[str]) -> None:
+    """The body's `model` must be one of `served` (absent or empty: the default, as vLLM)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HTTPError(400, f"'model' must be a string, got {json_value(model)}",
+                        code="invalid_value")
+    if model and model not in served:
+        raise ModelNotFound(model)
+
+
+def completion_prompt(body: dict, vocab_size: int) -> str | list[int]:
+    """`/v1/completions`' `prompt`: a non-empty text, or token ids within the vocabulary (a
+    batch of one is its prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(is_type(t, int) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise HTTPError(400, f"prompt token id {bad} is outside the vocabulary "
+                                 f"[0, {vocab_size})", code="invalid_value")
+        return list(prompt)
+    raise HTTPError(400, "'prompt' must be a non-empty string or a non-empty list of token ids "
+                         "(batches of several prompts are not supported)", code="invalid_value")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages`, each with a `role`, their content parts joined into one string."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise HTTPError(400, "'messages' must be a non-empty list of objects with a 'role'",
+                        code="invalid_value")
+    return [flatten_content(m) for m in messages]
+
+
+def flatten_content(message: dict) -> dict:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string, as templates
+    expect."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (not isinstance(part, dict) or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)):
+                raise HTTPError(400, "only text content parts are supported", code="invalid_value")
+            parts.append(part["text"])
+        return {**message, "content": "".join(parts)}
+    if content is not None and not isinstance(content, str):
+        raise HTTPError(400, "message 'content' must be a string or a list of text parts",
+                        code="invalid_value")
+    return message
+
+
+def open_final_message(text: str, final: str | None) -> str:
+    """`continue_final_message`: cut the render just after the last message's content, so the
+    model continues that message (as transformers' apply_chat_template does)."""
+    if not isinstance(final, str) or not final.strip():
+        raise HTTPError(400, "continue_final_message needs a final message with text content",
+                        code="invalid_value")
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise HTTPError(400, "continue_final_message is set but the final message does not appear "
+                         "in the chat after applying the chat template", code="invalid_value")
+
+
+# --- responses --------------------------------------------------------------------------------
+
+class ResponseFormat:
+    """OpenAI response shapes for one request."""
+
+    def __init__(self, chat: bool, model: str, return_ids: bool, prompt_ids: list[int],
+                 include_usage: bool):
+        self.chat = chat
+        self.model = model
+        self.return_ids = return_ids
+        self.prompt_ids = prompt_ids
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @staticmethod
+    def sse(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    @staticmethod
+    def usage(out) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    def _envelope(self, choices: list, streaming: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = "chat.completion.chunk" if self.chat and streaming else kind
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def chunk(self, out=None, role: bool = False) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason if out else None}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": ""} if role else (
+                {"content": out.text} if out.text else {})
+        else:
+            choice["text"] = out.text
+        if out is not None and self.return_ids:
+            choice["token_ids"] = out.token_ids
+        obj = self._envelope([choice], streaming=True)
+        if role and self.return_ids:
+            obj["prompt_token_ids"] = self.prompt_ids
+        if out is not None and out.finished and not self.include_usage:
+            obj["usage"] = self.usage(out)      # usage always arrives, on the last chunk
+        return obj
+
+    def usage_chunk(self, out) -> dict:
+        obj = self._envelope([], streaming=True)
+        obj["usage"] = self.usage(out)
+        return obj
+
+    def whole(self, text: str, token_ids: list[int], out) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.return_ids:
+            choice["token_ids"] = token_ids
+        obj = self._envelope([choice], streaming=False)
+        obj["usage"] = self.usage(out)
+        if self.return_ids:
+            obj["prompt_token_ids"] = self.prompt_ids
+        return obj
