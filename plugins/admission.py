@@ -99,7 +99,8 @@ class Admission(Plugin):
         return self.held.get(up, 0) < self.cap(up)
 
     def with_room(self, upstreams: list) -> list:
-        """The router's capacity filter: the upstreams with a free slot (one pass, inline)."""
+        """The `with_room` hook, the router's capacity filter: the upstreams with a free slot
+        here (one pass, inline)."""
         held, per = self.held, self.cfg["per_upstream"]
         return [u for u in upstreams if held.get(u, 0) < (per or u.max_inflight)]
 

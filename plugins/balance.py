@@ -22,10 +22,11 @@ class RoundRobin(Plugin):
 
 
 class LeastInflight(Plugin):
-    """Prefer the upstream with the most free capacity: 1 - (inflight + waiting) / max_inflight
-    (requests queued for an upstream count: when every one is full, the shortest queue wins)."""
+    """Prefer the upstream with the most free capacity: 1 - load / max_inflight, where the load
+    (`Upstream.load`) counts the requests queued here for it too: when every upstream is full,
+    the shortest queue wins."""
     name = "least_inflight"
     spec = {"weight": Key((int, float), 1.0, positive)}
 
     def score(self, ctx, upstreams):
-        return {u: 1.0 - (u.inflight + u.waiting) / u.max_inflight for u in upstreams}
+        return {u: 1.0 - u.load / u.max_inflight for u in upstreams}

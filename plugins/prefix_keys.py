@@ -46,7 +46,8 @@ def render_parts(body: dict) -> list[str]:
     parts = []
     tools = body.get("tools")
     if tools:
-        parts.append("tools" + FIELD + json.dumps(tools, sort_keys=True, ensure_ascii=False) + RECORD)
+        tools_json = json.dumps(tools, sort_keys=True, ensure_ascii=False)
+        parts.append("tools" + FIELD + tools_json + RECORD)
     messages = body.get("messages")
     if isinstance(messages, list):
         for m in messages:

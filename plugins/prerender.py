@@ -203,6 +203,8 @@ class Prerender(Plugin):
         "cache_entries": Key(int, 256, positive),      # distinct prefixes remembered per model
         "inline_chars": Key(int, 8192, non_negative),  # larger uncached work goes to a thread
     }
+    # a chat's token ids and their block-hash chain: the keys the engine's prefix cache uses
+    provides = frozenset({"tokens", "block_tokens", "block_hashes"})
 
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
@@ -232,8 +234,8 @@ class Prerender(Plugin):
                           else self._any)
         reg = gw.registry
         self.lookups = Counter("prefixgate_prerender_prefix_cache", "Prompt prefix cache "
-                               "lookups by result (hit, miss, unsplittable, none, error)", ["result"],
-                               registry=reg)
+                               "lookups by result (hit, miss, unsplittable, none, error)",
+                               ["result"], registry=reg)
         self.tokens = Counter("prefixgate_prerender_tokens", "Prompt tokens, by whether they "
                               "came from the prefix cache", ["source"], registry=reg)
 

@@ -1,8 +1,12 @@
 """Building the plugin chain from the config's `plugins:` list.
 
+Each plugin's declared needs (`Plugin.needs`: RequestContext fields) must be provided by a
+plugin of the chain (every on_request hook runs before routing); a chain where one is not
+fails to build, naming the setting that asked for it.
+
 Plugins register Prometheus metrics and connect hooks on the gateway, so each plugin's
-registrations are recorded (`gw.plugin_owned`): a reload (proxy/reload.py) can then carry the
-kept plugins' collectors over to a new registry and build only the changed ones.
+registrations are recorded (`gw.plugin_owned`): a reload (proxy/config/reload.py) can then
+carry the kept plugins' collectors over to a new registry and build only the changed ones.
 """
 from __future__ import annotations
 
@@ -54,8 +58,7 @@ class Chain:
         for hook in HOOKS:
             setattr(self, hook, [getattr(p, hook) for p in plugins if hasattr(p, hook)])
         self.scorers = [p for p in plugins if hasattr(p, "score")]
-        # the admission plugin's capacity filter replaces the router's (inflight < max_inflight)
-        self.with_room = next((p.with_room for p in plugins if hasattr(p, "with_room")), None)
+        self.active = 0             # requests running on this chain (a reload waits for them)
 
 
 class TrackingRegistry(CollectorRegistry):
@@ -79,13 +82,17 @@ def build_chain(gw, items: list, reuse: dict | None = None) -> Chain:
     """The chain for `items` (and the FALLBACKS it needs); plugins in `reuse`
     ({key: [plugin]}) are kept as they are."""
     entries = [_entry(gw, i, item, reuse) for i, item in enumerate(items)]
+    provided = {field for _, p in entries for field in p.provides}
+    for i, (item, (_, p)) in enumerate(zip(items, entries)):
+        missing = next((n for n in p.needs if n.field not in provided), None)
+        if missing is not None:
+            raise ConfigError(missing.key, missing.why).under(
+                f"plugins[{i}].{plugin_entry(item)[0]}")
     for hook, item in FALLBACKS:
         if not any(hasattr(p, hook) for _, p in entries):
             entries.append(_entry(gw, len(entries), item, reuse))
     gw.plugin_keys = entries
-    chain = Chain([p for _, p in entries])
-    chain.active = 0            # requests running on this chain
-    return chain
+    return Chain([p for _, p in entries])
 
 
 def _entry(gw, i: int, item, reuse: dict | None) -> tuple[str, Plugin]:

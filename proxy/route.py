@@ -3,11 +3,12 @@
 Filters narrow the upstreams to those that can take the request: serving its model (404 when
 none does), healthy and of the wanted role (P/D: `prefill` upstreams take only prefill legs;
 everything else goes to `decode` and `both` ones), not already tried by this request (unless
-every one was), and with room. When none has room and the chain can queue (an `admit` hook),
-every candidate stays in: the best one is picked all the same and the request waits for a
-slot on it. Scorers then add their weighted scores and the best total
-wins, ties broken at random. The scorers run even when one candidate is left, so each request
-is counted once in the route metrics and carries its route header whatever the fleet's size.
+every one was), and with room (the chain's `with_room` hooks, else fewer in flight than
+`max_inflight`). When none has room and the chain can queue (an `admit` hook), every
+candidate stays in: the best one is picked all the same and the request waits for a slot on
+it. Scorers then add their weighted scores and the best total wins, ties broken at random.
+The scorers run even when one candidate is left, so each request is counted once in the
+route metrics and carries its route header whatever the fleet's size.
 A decision is made once per attempt: a queued request is not scored again while it waits.
 """
 from __future__ import annotations
@@ -30,23 +31,15 @@ PREFILL = frozenset({"prefill"})
 
 
 class LeastLoaded:
-    """The built-in load scorer (a P/D request's decode upstream): fewest requests in flight
-    plus waiting for a slot — by the backend's own polled counts when a poller runs
-    (`Upstream.polled`: every gateway replica sees them alike), with the polled KV-cache
-    usage (0..1) breaking ties between equally loaded upstreams."""
+    """The built-in load scorer (a P/D request's decode upstream): the lowest `Upstream.load`,
+    with the polled KV-cache usage (0..1, where a poller scrapes it) breaking ties between
+    equally loaded upstreams."""
     name = "least_loaded"
     weight = 1.0
 
     @staticmethod
     def score(ctx, upstreams) -> dict:
-        scores = {}
-        for u in upstreams:
-            polled = u.polled
-            if polled is None:
-                scores[u] = -float(u.inflight + u.waiting)
-            else:
-                scores[u] = -(polled.load(u) + u.waiting + (polled.kv_usage(u) or 0.0))
-        return scores
+        return {u: -(u.load + (u.kv_usage or 0.0)) for u in upstreams}
 
 
 def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
@@ -64,14 +57,23 @@ def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
         raise HTTPError(503, _none_healthy(upstreams, roles), code="no_healthy_upstream",
                         headers={"Retry-After": "1"})
     candidates = ([u for u in healthy if u not in tried] or healthy) if tried else healthy
-    free = (chain.with_room(candidates) if chain.with_room is not None else
-            [u for u in candidates if u.inflight < u.max_inflight])
+    free = with_room(chain, candidates)
     if not free:
         if not chain.admit:
             raise HTTPError(429, "all upstreams are at max_inflight", code="overloaded",
                             headers={"Retry-After": "1"})
         free = candidates          # all full: the request waits for the one picked here
     return pick(chain.scorers if scorers is None else scorers, ctx, free)
+
+
+def with_room(chain: "Chain", candidates: list["Upstream"]) -> list["Upstream"]:
+    """The candidates with a free slot: by the chain's `with_room` hooks (admission counts
+    its own slots), else those with fewer requests in flight than their `max_inflight`."""
+    if not chain.with_room:
+        return [u for u in candidates if u.inflight < u.max_inflight]
+    for narrow in chain.with_room:
+        candidates = narrow(candidates)
+    return candidates
 
 
 def _none_healthy(upstreams: list["Upstream"], roles: frozenset) -> str:

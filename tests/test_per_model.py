@@ -12,7 +12,7 @@ from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.normalize.plugin import MAX_MODELS, SPEC as NORMALIZE_SPEC, Normalizer
 from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.plugins.prefix_route.plugin import ring_position
+from prefixgate.plugins.prefix_route.keys import ring_position
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
@@ -60,7 +60,7 @@ def _key(route: str) -> str:
 
 def test_ring_positions_separate_models():
     key = 0x1234_5678_9abc_def0
-    assert ring_position(key, None) == key                      # no model: as before
+    assert ring_position(key, None) == key                      # no model: the key itself
     assert len({ring_position(key, m) for m in (None, "a", "b", "a-lora")}) == 4
     assert ring_position(key, "a") == ring_position(key, "a")
 

@@ -48,7 +48,7 @@ async def test_queued_requests_are_routed_once(make_standin, make_gateway):
 
 async def test_round_robin_turns_once_per_request_under_a_queue(make_standin, make_gateway):
     """With every upstream full, queued requests still alternate: the counter advances
-    once per request (it used to advance on every admission tick)."""
+    once per request, not on every admission tick."""
     a, b = await make_standin(first_delay=0.45), await make_standin(first_delay=0.45)
     gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
                                            {"name": "b", "url": b.url}],

@@ -40,7 +40,8 @@ _TZ = (r"(?:\s?(?:Z|[+-][0-9]{2}:?[0-9]{2}|(?:UTC|GMT)(?:\s?[+-][0-9]{1,2}(?::?[
        r"|[ECMP][SD]?T|CES?T|BST|IST|JST|KST|AES?T)(?![A-Za-z])"
        r"|\s?[(（](?:UTC|GMT|[A-Z]{2,4}T|北京时间)[^()（）\n]{0,8}[)）])?")
 _TIME = (r"[0-9]{1,2}:[0-9]{2}(?::[0-9]{2}(?:[.,][0-9]{1,9})?)?(?:\s?[AaPp]\.?[Mm]\.?)?" + _TZ)
-_WEEKDAY = r"(?:[ \t]*[（(]?(?:(?:星期|周)[一二三四五六日天]|" + _DOW + r")[)）]?)"   # "2026-03-15 星期日"
+# a weekday after the date: "2026-03-15 星期日"
+_WEEKDAY = r"(?:[ \t]*[（(]?(?:(?:星期|周)[一二三四五六日天]|" + _DOW + r")[)）]?)"
 _ISO = r"[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}" + _WEEKDAY + r"?(?:(?:T|\s)" + _TIME + r")?"
 _SLASH = (r"(?:[0-9]{4}/[0-9]{1,2}/[0-9]{1,2}|[0-9]{1,2}/[0-9]{1,2}/[0-9]{2,4}"
           r"|[0-9]{1,2}\.[0-9]{1,2}\.[0-9]{4}|[0-9]{4}\.[0-9]{1,2}\.[0-9]{1,2})"
@@ -73,7 +74,8 @@ BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(
 
 # A digit-bearing token: starts at a digit (a fast C scan); `scan` gives it the letters before.
 # (a comma inside keeps "1,234.50" one token, so an amount's token count does not vary)
-_TOKEN_SPLIT = re.compile(r"([0-9](?:[0-9A-Za-z_+/=.:,\-年月日时分秒号]*[0-9A-Za-z=年月日时分秒号])?)")
+_TOKEN_SPLIT = re.compile(r"([0-9](?:[0-9A-Za-z_+/=.:,\-年月日时分秒号]*"
+                          r"[0-9A-Za-z=年月日时分秒号])?)")
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _ASCII_LETTERS = frozenset(_LETTERS)
 _WORD_CHARS = _LETTERS + "0123456789_-"       # a word holding a token: "req_8f3a", "A1017"
@@ -94,8 +96,8 @@ _CLOCK = re.compile(r"[0-9][:：][0-9]{2}|[0-9]\s*[时点]")         # a time of
 _UNITS = ("bit", "byte", "char", "character", "digit", "letter", "word", "day", "hour", "minute",
           "second", "week", "month", "year")
 _UNIT_ADJECTIVES = ("hex", "hexadecimal", "decimal", "numeric", "alphanumeric", "random", "ascii")
-_COUNTERS = ("位", "个", "件", "条", "次", "人", "天", "分钟", "小时", "秒", "元", "字", "以内", "以上",
-             "以下", "台", "张")
+_COUNTERS = ("位", "个", "件", "条", "次", "人", "天", "分钟", "小时", "秒", "元", "字",
+             "以内", "以上", "以下", "台", "张")
 _QUANTITY = re.compile(rf"[0-9]{{1,5}}(?:[ \t]*-?[ \t]*(?:(?:{'|'.join(_UNIT_ADJECTIVES)})[ \t]+)?"
                        rf"(?:{'|'.join(_UNITS)})s?(?![A-Za-z])|[ \t]*(?:{'|'.join(_COUNTERS)}))")
 _LINE_HEAD = re.compile(r"\s*(?:[-*•>]\s+|[0-9]{1,2}[.)]\s+)?(?:\*\*|__)?")

@@ -63,7 +63,8 @@ _EXAMPLE_HEADING = re.compile(rf"[ \t]*#{{1,6}}[ \t][^\n]*{_EXAMPLE}")
 # "Example 2 (refund):", "以下是两个示例：", or just naming one: "**Sample dialogue**".
 _LEAD = re.compile(rf"{_DECOR}(?:[^\n]{{0,48}}{_EXAMPLE}[^\n:：]{{0,32}}[:：]"
                    rf"|(?:[^\n]{{0,16}}[ \t])?{_EXAMPLE}(?:[ \t]+[A-Za-z]+)?[ \t]*"
-                   rf"(?:[0-9一二三四五六七八九十]+|[A-Z])?[ \t]*(?:[(（][^()（）\n]{{0,32}}[)）])?)"
+                   rf"(?:[0-9一二三四五六七八九十]+|[A-Z])?[ \t]*"
+                   rf"(?:[(（][^()（）\n]{{0,32}}[)）])?)"
                    rf"[ \t*_]*\Z")
 _TURN = re.compile(rf"{_DECOR}(?i:(?P<who>{_words(USER_TURNS + ASSISTANT_TURNS)}))"
                    rf"[ \t]*(?:\*\*)?[ \t]*[:：][ \t]*(?:\*\*)?[ \t]*(?P<said>[^\n]*)")

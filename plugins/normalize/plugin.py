@@ -7,7 +7,8 @@ the label that introduced it, in one short block at the tail:
 
     system: "当前时间是 2026-03-15 14:22:31，请根据以下规则回答…"
       →     "请根据以下规则回答…"
-    last user message: "… question\\n\\n<dynamic_context>\\n当前时间：2026-03-15 14:22:31\\n</dynamic_context>"
+    last user message: "… question\\n\\n<dynamic_context>\\n当前时间：2026-03-15 14:22:31\\n"
+                       "</dynamic_context>"
 
 When a label and its value form a line or sentence of their own, the whole clause moves;
 otherwise only the value is replaced by a numbered placeholder (`⟨1⟩`) that the tail block
@@ -30,8 +31,9 @@ from prefixgate.common.schema import ConfigError, Key, one_of, positive, non_neg
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
-from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found, _inside_sorted, code_spans, context_label,
-                        scan, word_start)
+from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found,
+                                                    _inside_sorted, code_spans, context_label,
+                                                    scan, word_start)
 from prefixgate.plugins.normalize.learner import Learner, template_key
 from prefixgate.plugins.normalize.mentions import drop_mentions
 from prefixgate.plugins.normalize.suffix_reuse import reuse
@@ -84,7 +86,8 @@ def compile_rules(rules: list) -> list:
             raise ConfigError(f"rules[{i}]", "must be a mapping with a string `pattern`")
         unknown = set(r) - {"pattern", "label"}
         if unknown:
-            raise ConfigError(f"rules[{i}].{sorted(unknown)[0]}", "unknown key (allowed: label, pattern)")
+            raise ConfigError(f"rules[{i}].{sorted(unknown)[0]}",
+                              "unknown key (allowed: label, pattern)")
         try:
             rx = re.compile(r["pattern"])
         except re.error as e:

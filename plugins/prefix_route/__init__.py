@@ -1,3 +1,4 @@
-"""The `prefix_route` plugin (plugin) and its helpers: the bounded-load hash ring, the
-cache-aware prefix index, the backends' load polling, and the engines' KV events (the exact
-index, kv_index, fed by one ZMQ feed per upstream, kv_subscriber)."""
+"""The `prefix_route` plugin (plugin.py) and its pieces: the request's prefix keys, one scorer
+per policy (chwbl with its bounded-load hash ring, cache_aware with its indexes: approximate,
+or exact from the engines' KV events, kv_index fed by kv_subscriber), llama.cpp slot pinning,
+and the backends' load polling."""

@@ -198,7 +198,8 @@ class KVEventIndex:
 
     def _stored(self, name: str, engine: EngineBlocks, ev: Stored) -> None:
         n = len(ev.block_hashes)
-        parent = ROOT_HASH if ev.parent_block_hash is None else engine.key_of.get(ev.parent_block_hash)
+        parent = (ROOT_HASH if ev.parent_block_hash is None else
+                  engine.key_of.get(ev.parent_block_hash))
         if (ev.lora_id is not None or ev.block_size != self.block_tokens or parent is None
                 or len(ev.token_ids) != n * ev.block_size):
             engine.ignored += n

@@ -4,15 +4,19 @@ The gateway's own in-flight counts only see this replica's requests; a backend's
 every replica's. Polling them gives all gateway replicas roughly the same view of load. Between
 polls the estimate follows this replica's own changes:
 
-    load = running + waiting (at the poll) + (in-flight now − in-flight at the poll)
+    requests = running + waiting (at the poll) + (in-flight now − in-flight at the poll)
+
+A polled upstream's load (`Upstream.load`) is that estimate plus the requests waiting in this
+gateway for a slot on it (the backend has not seen those yet).
 
 Names read (summed over label sets, e.g. per model):
 
-    engine       running                        waiting                        KV usage (0..1)
-    vLLM         vllm:num_requests_running      vllm:num_requests_waiting      vllm:kv_cache_usage_perc
-                                                                               (older: vllm:gpu_cache_usage_perc)
-    SGLang       sglang:num_running_reqs        sglang:num_queue_reqs          sglang:token_usage
-    prefixgate   prefixgate:num_requests_running prefixgate:num_requests_waiting prefixgate:kv_cache_usage_perc
+    engine      running / waiting / KV usage (0..1)
+    vLLM        vllm:num_requests_running / vllm:num_requests_waiting /
+                vllm:kv_cache_usage_perc (older: vllm:gpu_cache_usage_perc)
+    SGLang      sglang:num_running_reqs / sglang:num_queue_reqs / sglang:token_usage
+    prefixgate  prefixgate:num_requests_running / prefixgate:num_requests_waiting /
+                prefixgate:kv_cache_usage_perc
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from prefixgate.common.runtime import cancel_and_wait
 
 log = logging.getLogger("prefixgate.load_poll")
 
-RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "prefixgate:num_requests_running")
-WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "prefixgate:num_requests_waiting")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs",
+           "prefixgate:num_requests_running")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs",
+           "prefixgate:num_requests_waiting")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
             "prefixgate:kv_cache_usage_perc")
 _WANTED = frozenset(RUNNING + WAITING + KV_USAGE)
@@ -62,7 +68,7 @@ def parse_metrics(text: str) -> tuple[float, float, float | None] | None:
 
 
 class LoadPoller:
-    """Polls every upstream's /metrics every `interval_s`; `load(up)` is the estimate above.
+    """Polls every upstream's /metrics every `interval_s`; `requests(up)` is the estimate above.
 
     A sample older than `stale_after_s` (a backend that stopped answering) is ignored and the
     in-flight count is used instead.
@@ -83,8 +89,11 @@ class LoadPoller:
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
+        for up in self.gw.upstreams:
+            if up.polled is self:
+                up.polled = None        # its samples would only go stale
 
-    def load(self, up) -> float:
+    def requests(self, up) -> float:
         s = self.samples.get(up.name)
         if s is None or time.monotonic() - s.t > self.stale_after_s:
             return float(up.inflight)
@@ -124,4 +133,4 @@ class LoadPoller:
         parsed = parse_metrics(text)
         if parsed is not None:
             self.samples[up.name] = Sample(*parsed, up.inflight, time.monotonic())
-            up.polled = self            # the core's load scorer (P/D decode choice) reads it
+            up.polled = self            # Upstream.load and kv_usage read it

@@ -116,9 +116,9 @@ class Backend:
 
 
 class FleetSim:
-    def __init__(self, backends: int, policy: str, trace: TraceConfig, cost: CostModel | None = None,
-                 route: dict | None = None, seed: int = 0, replicas: int = 1,
-                 shared_load: bool = False, balancer: str = "turns",
+    def __init__(self, backends: int, policy: str, trace: TraceConfig,
+                 cost: CostModel | None = None, route: dict | None = None, seed: int = 0,
+                 replicas: int = 1, shared_load: bool = False, balancer: str = "turns",
                  event_delay_s: float = EVENT_DELAY_S, measure_agreement: bool = True):
         self.cost = cost or CostModel()
         self.trace_cfg = trace
@@ -413,8 +413,8 @@ def _row(r: dict) -> str:
             f"p95 {r['ttft_p95_s'] * 1e3:8.1f} ms  p99 {r['ttft_p99_s'] * 1e3:8.1f} ms  "
             f"load max/mean {r['load_max_mean_requests']:.2f} req, {r['load_max_mean_busy']:.2f} "
             f"busy  util {r['utilization']:.0%}  pick {r['pick_us_p50']:.0f} us  "
-            + (f"replicas agree {r['replica_agreement']:.1%}  " if r["replica_agreement"] is not None
-               else "") +
+            + (f"replicas agree {r['replica_agreement']:.1%}  "
+               if r["replica_agreement"] is not None else "") +
             f"wall {r['wall_seconds']:.1f} s")
 
 

@@ -215,13 +215,14 @@ async def _ttft(client, url: str, body: dict) -> float:
 async def bench_ttft(model_dir, tokenizer, n: int) -> dict:
     import aiohttp
 
+    from prefixgate.backend.cli import parse_args
     from prefixgate.backend.server import start_server
+    from prefixgate.common.runtime import start_app
     from prefixgate.proxy.app import Gateway
     from prefixgate.proxy.config.gateway import validate
-    from prefixgate.common.runtime import start_app
 
-    engine = await start_server(["--model", str(model_dir), "--served-model-name", "m"],
-                                host="127.0.0.1", port=0)
+    engine = await start_server(parse_args(["--model", str(model_dir), "--served-model-name",
+                                            "m"]), host="127.0.0.1", port=0)
     out = {}
     try:
         async with aiohttp.ClientSession() as client:

@@ -45,7 +45,8 @@ def bench_pick(policy: str, upstreams: int, reqs, seed: int, models: int = 1) ->
     """Decision times; with `models` > 1, upstream i serves model m{i % models} and request j
     asks for m{j % models}, so the model filter runs before the scorers."""
     rng = random.Random(seed)
-    gw = Gateway(validate({"upstreams": [{"name": f"u{i}", "url": f"http://10.0.{i // 250}.{i % 250}:8000",
+    gw = Gateway(validate({"upstreams": [{"name": f"u{i}",
+                                          "url": f"http://10.0.{i // 250}.{i % 250}:8000",
                                           "max_inflight": 10**6,
                                           "models": [f"m{i % models}"]} for i in range(upstreams)],
                            "plugins": POLICIES[policy]}))
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
               f"{ratio}  at {args.upstreams} upstreams x {args.models} model(s)")
     keys = bench_keys(reqs[:2000])
     print(f"{'keys':>22}: token chain p50 {keys['token_chain_us_p50']:.1f} us, text chain p50 "
-          f"{keys['text_chain_us_p50']:.1f} us (median prompt {keys['prompt_tokens_p50']:.0f} tokens)")
+          f"{keys['text_chain_us_p50']:.1f} us "
+          f"(median prompt {keys['prompt_tokens_p50']:.0f} tokens)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "pick": results, "keys": keys}, f, indent=2)

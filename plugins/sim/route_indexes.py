@@ -10,12 +10,12 @@ many leading blocks of this chain" differs:
                  at each request (a greedy choice: two runs whose choices part can end a
                  percent or two either side of each other, so exact can end above it)
 
-The scorer keeps one index per model in `PrefixRoute.indexes`; the simulated requests have
-no model (None), so `install` puts the index there. (The gateway's own `index: kv_events`
-reaches a KVEventIndex through ZMQ feeds, `kv_subscriber.py`, and takes its matches for every
-upstream whose feed is live: with all feeds live, what the exact policy gets here.) The
-exact index remembers as many blocks per engine as the engine's KV cache has, so its
-capacity never forgets a block the engine still holds.
+The approximate index keeps one index per model (`ApproximateIndex.models`); the simulated
+requests have no model (None), so `install` puts the index there. (The gateway's own
+`index: kv_events` reaches a KVEventIndex through ZMQ feeds, `kv_subscriber.py`, and takes
+its matches for every upstream whose feed is live: with all feeds live, what the exact policy
+gets here.) The exact index remembers as many blocks per engine as the engine's KV cache has,
+so its capacity never forgets a block the engine still holds.
 """
 from __future__ import annotations
 
@@ -64,6 +64,6 @@ def install(gw, index) -> None:
     """Make `index` the cache_aware index of `gw`'s prefix_route (for requests without a
     model)."""
     route = next(p for p in gw.chain.plugins if isinstance(p, PrefixRoute))
-    if route.policy != "cache_aware":
+    if route.approximate is None:
         raise ValueError("only the cache_aware scorer consults an index")
-    route.indexes.put(None, index)
+    route.approximate.models.put(None, index)

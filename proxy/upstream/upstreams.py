@@ -27,7 +27,8 @@ def tcp_endpoint(endpoint: str, host: str | None = None) -> str | None:
     if host is not None and m.group(1) != host:
         return f"must be {want}: the host is each discovered address (got {endpoint!r})"
     if host is None and m.group(1) == "*":
-        return f"must be {want}: the engine's address to connect to, not the * it binds (got {endpoint!r})"
+        return (f"must be {want}: the engine's address to connect to, not the * it binds "
+                f"(got {endpoint!r})")
     return None
 
 
@@ -110,8 +111,8 @@ class Upstream:
         self.extra_headers: dict = {str(k): str(v) for k, v in cfg["headers"].items()}
         self.inflight = 0                   # requests being exchanged with it now
         self.waiting = 0                    # requests routed to it, queued for a slot
-        # the backend's own view of its load, when a plugin polls it (prefix_route's
-        # poll_metrics_s): an object with load(up) and kv_usage(up); None: in-flight counts
+        # the backend's own counts, when a plugin scrapes them (prefix_route's
+        # poll_metrics_s): an object with requests(up) and kv_usage(up); None: not scraped
         self.polled = None
         self.healthy = True
         # model cards ({"id", ...}) as its /v1/models lists them, and the ids it serves
@@ -136,6 +137,19 @@ class Upstream:
         static = self.cfg["models"]
         self.models = (frozenset(static) if static is not None else
                        None if cards is None else frozenset(c["id"] for c in cards))
+
+    @property
+    def load(self) -> float:
+        """Its load, the one every scorer reads: the requests at the backend — this gateway's
+        in flight, or, where a poller scrapes the backend, its own running + waiting counts
+        (every gateway replica's requests) — plus those waiting here for a slot on it."""
+        at_backend = self.inflight if self.polled is None else self.polled.requests(self)
+        return at_backend + self.waiting
+
+    @property
+    def kv_usage(self) -> float | None:
+        """The backend's KV-cache usage (0..1) where a poller scrapes it, else None."""
+        return None if self.polled is None else self.polled.kv_usage(self)
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models

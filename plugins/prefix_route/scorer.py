@@ -1,0 +1,77 @@
+"""What prefix_route's scorers (one per `policy`) share.
+
+Each scorer reads the request's prefix keys (`keys.py`) and the upstreams' load
+(`Upstream.load`: in flight + waiting, or the backends' polled counts with `poll_metrics_s`);
+an upstream whose polled KV-cache usage reaches `kv_saturation` is saturated and avoided. A
+request without a key goes to the least loaded upstream. Every decision is counted once in
+`prefixgate_route_decisions{policy, outcome}` and told to the client in the
+`x-prefixgate-route` header. The scorer also follows the upstream set (discovery, reloads):
+a policy's state about upstreams is rebuilt when the set changes.
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
+
+
+class PrefixScorer:
+    policy = ""             # its `policy:` value: a label of its decisions, the header's start
+
+    def __init__(self, gw, keys: PrefixKeys, kv_saturation: float):
+        self.gw = gw
+        self.keys = keys
+        self.kv_saturation = kv_saturation
+        self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
+                                 "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
+                                 "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
+        self._outcomes: dict[str, object] = {}     # outcome -> its counter child, bound once
+        self._members = None          # the gw.upstreams list the policy's state was built from
+
+    def score(self, ctx, upstreams) -> dict:
+        members = self.gw.upstreams
+        if members is not self._members:
+            self._members = members
+            self.members_changed(members)
+        keys = self.keys.of(ctx)
+        if not keys.chain and keys.short is None:
+            return self.least_loaded(ctx, upstreams, "nokey")
+        return self.choose(ctx, keys, upstreams)
+
+    def choose(self, ctx, keys: Keys, upstreams) -> dict:
+        """The policy's scores for a request that has a key."""
+        raise NotImplementedError
+
+    def members_changed(self, upstreams) -> None:
+        """Rebuild what the policy keeps per upstream for this upstream set."""
+        raise NotImplementedError
+
+    def saturated(self, up) -> bool:
+        kv = up.kv_usage
+        return kv is not None and kv >= self.kv_saturation
+
+    def least_loaded(self, ctx, upstreams, outcome: str, loads: dict | None = None,
+                     matched: dict | None = None) -> dict:
+        """The least loaded upstreams (not saturated); among them a partial match wins."""
+        loads = loads or {u: u.load for u in upstreams}
+        ok = [u for u in upstreams if not self.saturated(u)] or upstreams
+        lightest = min(loads[u] for u in ok)
+        ctx.route_info.setdefault("policy", self.policy)
+        self.decided(ctx, outcome)
+        matched = matched or {}
+        return {u: 1.0 + 1e-6 * matched.get(u.name, 0) for u in ok if loads[u] == lightest}
+
+    def decided(self, ctx, outcome: str) -> None:
+        """Count the decision and tell the client why (the route header)."""
+        info = ctx.route_info
+        info["outcome"] = outcome
+        counter = self._outcomes.get(outcome)
+        if counter is None:
+            counter = self._outcomes[outcome] = self.decisions.labels(self.policy, outcome)
+        counter.inc()
+        header = f"{self.policy}; outcome={outcome}; blocks={info.get('blocks', 0)}"
+        if "key" in info:
+            header += f"; key={info['key']}; home={info['home']}"
+        if "best_match" in info:
+            header += f"; matched={info['best_match']}"
+        ctx.response_headers["x-prefixgate-route"] = header
