@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixgate.common.schema import Key, non_negative, positive
 from prefixgate.common.errors import HTTPError
-from prefixgate.proxy.plugin import Plugin
 from prefixgate.common.runtime import cancel_and_wait
+from prefixgate.common.schema import Key, non_negative, positive
+from prefixgate.proxy.plugin import Plugin
 
 log = logging.getLogger("prefixgate.admission")
 

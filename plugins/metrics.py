@@ -4,9 +4,9 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from prefixgate.common.schema import Key, positive
 from prefixgate.proxy import pd
 from prefixgate.proxy.observe import breakdown
-from prefixgate.common.schema import Key, positive
 from prefixgate.proxy.plugin import Plugin
 
 # TTFT spans a cached 5 ms hit to a queued 60 s long-context prefill

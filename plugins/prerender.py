@@ -29,13 +29,12 @@ from dataclasses import dataclass
 import xxhash
 from prometheus_client import Counter
 
+from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
+from prefixgate.common.schema import ConfigError, Key, non_negative, positive
+from prefixgate.plugins.prefix_keys import prompt_token_ids
 from prefixgate.proxy.config.gateway import ANY_MODEL
-from prefixgate.common.schema import ConfigError, Key, positive, non_negative
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
-
-from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
-from prefixgate.plugins.prefix_keys import prompt_token_ids
 
 PREFIX_ROLES = ("system", "developer")
 log = logging.getLogger(__name__)

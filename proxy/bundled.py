@@ -13,8 +13,7 @@ import json
 import socket
 import sys
 
-from prefixgate.backend.config import (engine_configs, parse_kv_events_config,
-                                       subscriber_endpoint)
+from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
 from prefixgate.common.runtime import wait_ready
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
@@ -37,15 +36,19 @@ class BundledEngines:
         self.ports = [free_port(cfg["host"]) for _ in self.roles]
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
         self.kv_events = self._kv_events_configs()          # per engine; None: no KV events
-        # where a subscriber on the gateway's host reaches each engine's sockets (None: not published)
+        # where a subscriber on the gateway's host reaches each engine's sockets (None: not
+        # published)
         self.kv_events_endpoints = [self._reachable(c, "endpoint") for c in self.kv_events]
-        self.kv_events_replay_endpoints = [self._reachable(c, "replay_endpoint") for c in self.kv_events]
+        self.kv_events_replay_endpoints = [self._reachable(c, "replay_endpoint")
+                                           for c in self.kv_events]
 
     def _kv_events_configs(self) -> list:
-        config = parse_kv_events_config(self.cfg.get("kv_events_config"))   # checked with the config
+        # checked with the rest of the config already
+        config = parse_kv_events_config(self.cfg.get("kv_events_config"))
         if config is None:
             return [None] * len(self.roles)
-        return engine_configs(config, len(self.roles), free_port=lambda: free_port(self.cfg["host"]))
+        return engine_configs(config, len(self.roles),
+                              free_port=lambda: free_port(self.cfg["host"]))
 
     def _reachable(self, config, key: str) -> str | None:
         endpoint = getattr(config, key) if config is not None and config.publishes else None
@@ -58,8 +61,10 @@ class BundledEngines:
                 "role": role} for i, (url, role) in enumerate(zip(self.urls, self.roles))]
         for entry, config, pub, replay in zip(raw, self.kv_events, self.kv_events_endpoints,
                                               self.kv_events_replay_endpoints):
-            if pub and replay and pub.startswith("tcp://"):     # prefix_route's `index: kv_events` subscribes to these
-                entry["kv_events"] = {"endpoint": pub, "replay_endpoint": replay, "topic": config.topic}
+            if pub and replay and pub.startswith("tcp://"):
+                # where prefix_route's `index: kv_events` subscribes
+                entry["kv_events"] = {"endpoint": pub, "replay_endpoint": replay,
+                                      "topic": config.topic}
         return check_upstreams(raw, timeouts)
 
     async def start(self) -> None:

@@ -15,8 +15,8 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from prefixgate.proxy.plugin import HOOKS, Plugin
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.plugin import HOOKS, Plugin
 
 # short name -> "module:Class"; imported lazily so a config only pays for what it uses
 BUILTIN = {

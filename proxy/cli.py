@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
-from prefixgate.proxy.config import gateway as config_mod
-from prefixgate.proxy import pd
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy import pd
+from prefixgate.proxy.config import gateway as config_mod
 
 # subcommands with a command line of their own (run_delegated): name -> help
 DELEGATED = {

@@ -14,13 +14,14 @@ A decision is made once per attempt: a queued request is not scored again while 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prefixgate.common.errors import HTTPError
 
 if TYPE_CHECKING:
-    from prefixgate.proxy.context import RequestContext
     from prefixgate.proxy.chain import Chain
+    from prefixgate.proxy.context import RequestContext
     from prefixgate.proxy.upstream.upstreams import Upstream
 
 
@@ -42,9 +43,9 @@ class LeastLoaded:
         return {u: -(u.load + (u.kv_usage or 0.0)) for u in upstreams}
 
 
-def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
-           tried: Iterable["Upstream"] = (), roles: frozenset = SERVING,
-           scorers: list | None = None) -> "Upstream":
+def decide(upstreams: list[Upstream], chain: Chain, ctx: RequestContext,
+           tried: Iterable[Upstream] = (), roles: frozenset = SERVING,
+           scorers: list | None = None) -> Upstream:
     """The upstream for this attempt among those of `roles`, by `scorers` (default: the
     chain's); HTTPError 503 (none healthy) or 429 (all full)."""
     pinned = [u for u in upstreams if u.name == ctx.pin] if ctx.pin is not None else None
@@ -66,7 +67,7 @@ def decide(upstreams: list["Upstream"], chain: "Chain", ctx: "RequestContext",
     return pick(chain.scorers if scorers is None else scorers, ctx, free)
 
 
-def with_room(chain: "Chain", candidates: list["Upstream"]) -> list["Upstream"]:
+def with_room(chain: Chain, candidates: list[Upstream]) -> list[Upstream]:
     """The candidates with a free slot: by the chain's `with_room` hooks (admission counts
     its own slots), else those with fewer requests in flight than their `max_inflight`."""
     if not chain.with_room:
@@ -76,14 +77,14 @@ def with_room(chain: "Chain", candidates: list["Upstream"]) -> list["Upstream"]:
     return candidates
 
 
-def _none_healthy(upstreams: list["Upstream"], roles: frozenset) -> str:
+def _none_healthy(upstreams: list[Upstream], roles: frozenset) -> str:
     if not upstreams or any(u.role in roles for u in upstreams):
         return "no healthy upstream"
     return (f"no upstream with role {' or '.join(sorted(roles))} serves this request "
             f"(roles here: {', '.join(sorted({u.role for u in upstreams}))})")
 
 
-def serving(upstreams: list["Upstream"], model: str | None) -> list["Upstream"]:
+def serving(upstreams: list[Upstream], model: str | None) -> list[Upstream]:
     """The upstreams that serve `model`; HTTPError 404 when none does, 400 when the request
     names no model and the fleet serves several (a single-model fleet takes it, as vLLM)."""
     if model is None:
@@ -100,12 +101,12 @@ def serving(upstreams: list["Upstream"], model: str | None) -> list["Upstream"]:
     return found
 
 
-def fleet_models(upstreams: list["Upstream"]) -> set[str]:
+def fleet_models(upstreams: list[Upstream]) -> set[str]:
     """Every model id some upstream is known to serve."""
     return set().union(*(u.models for u in upstreams if u.models is not None))
 
 
-def pick(scorers: list, ctx: "RequestContext", candidates: list["Upstream"]) -> "Upstream":
+def pick(scorers: list, ctx: RequestContext, candidates: list[Upstream]) -> Upstream:
     """The candidate with the best weighted sum of scores (ties at random)."""
     if len(scorers) == 1:            # one scorer scoring every candidate: its scores are the
         totals = scorers[0].score(ctx, candidates)     # ranking (weights are > 0)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 from prefixgate.plugins.normalize import labels, mentions
 

@@ -25,7 +25,6 @@ passes for headings and tags.
 from __future__ import annotations
 
 import re
-
 from bisect import bisect_right
 
 # --- vocabulary ------------------------------------------------------------------------------
@@ -121,8 +120,8 @@ def _local_mention(text: str, at: int, vs: int, ve: int) -> bool:
 def _after_marker(before: str) -> bool:
     """An example marker earlier in the same clause: "(e.g. Request ID: …", "例如订单号…"."""
     last = None
-    for last in _INLINE.finditer(before):
-        pass
+    for match in _INLINE.finditer(before):
+        last = match
     return last is not None and not CLAUSE_ENDS.search(before, last.end())
 
 

@@ -27,16 +27,23 @@ import json
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixgate.common.schema import ConfigError, Key, one_of, positive, non_negative
-from prefixgate.proxy.lru import LRU
-from prefixgate.proxy.plugin import Plugin
-
-from prefixgate.plugins.normalize.detectors import (BARE, TYPES, Detector, Found,
-                                                    _inside_sorted, code_spans, context_label,
-                                                    scan, word_start)
+from prefixgate.common.schema import ConfigError, Key, non_negative, one_of, positive
+from prefixgate.plugins.normalize.detectors import (
+    BARE,
+    TYPES,
+    Detector,
+    Found,
+    _inside_sorted,
+    code_spans,
+    context_label,
+    scan,
+    word_start,
+)
 from prefixgate.plugins.normalize.learner import Learner, template_key
 from prefixgate.plugins.normalize.mentions import drop_mentions
 from prefixgate.plugins.normalize.suffix_reuse import reuse
+from prefixgate.proxy.lru import LRU
+from prefixgate.proxy.plugin import Plugin
 
 REUSE_MIN_CHARS = 4096      # shorter texts are scanned whole: reuse would not pay
 REUSE_KEY_CHARS = 256       # texts ending in the same 256 chars are tried for reuse

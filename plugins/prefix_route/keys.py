@@ -16,8 +16,14 @@ from dataclasses import dataclass
 import xxhash
 
 from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.plugins.prefix_keys import (DynamicSpans, byte_hash_chain, prompt_token_ids,
-                                            render, render_parts, tail_hash)
+from prefixgate.plugins.prefix_keys import (
+    DynamicSpans,
+    byte_hash_chain,
+    prompt_token_ids,
+    render,
+    render_parts,
+    tail_hash,
+)
 
 STATE_KEY = "prefix_route"          # where a request's Keys are kept (ctx.state)
 

@@ -52,8 +52,8 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from zmq.utils.monitor import parse_monitor_message
 
-from prefixgate.plugins.prefix_route.kv_index import EventFormatError, KVEventIndex, decode_batch
 from prefixgate.common.runtime import cancel_and_wait
+from prefixgate.plugins.prefix_route.kv_index import EventFormatError, KVEventIndex, decode_batch
 
 log = logging.getLogger("prefixgate.kv_events")
 
@@ -75,7 +75,7 @@ def _seq(frame: bytes) -> int | None:
 class KVEventFeed:
     """One upstream's publisher, applied to `index` under the upstream's name."""
 
-    def __init__(self, name: str, cfg: dict, feeds: "KVEventFeeds"):
+    def __init__(self, name: str, cfg: dict, feeds: KVEventFeeds):
         self.name, self.cfg, self.feeds = name, cfg, feeds
         self.index: KVEventIndex = feeds.index
         self.last = -1                      # seq of the last batch applied

@@ -12,8 +12,8 @@ the bytes a ZMQ subscriber would: every part of the path but the socket is the r
 from __future__ import annotations
 
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.backend.kv_events import KVEventSink, encode_batch
+from prefixgate.common.block_hash import ROOT_HASH
 
 
 def record(bm: BlockManager) -> KVEventSink:

@@ -30,25 +30,24 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from array import array
 import json
 import random
 import sys
 import time
+from array import array
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config.gateway import validate
-from prefixgate.proxy.context import RequestContext
-
 from prefixgate.plugins.prefix_route.kv_index import decode_batch
 from prefixgate.plugins.sim.engine_events import encode, record
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
 from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.proxy.context import RequestContext
 
 POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware", "exact", "oracle")
 INDEXED = ("exact", "oracle")        # cache_aware's scorer with another index

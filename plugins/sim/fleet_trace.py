@@ -24,7 +24,6 @@ import numpy as np
 
 from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 
-
 POOL = 1 << 23     # token ids drawn once; segments start at random offsets in it
 
 
@@ -64,7 +63,7 @@ class Request:
 class _Next:
     t: float
     n: int
-    session: "object" = field(compare=False)
+    session: object = field(compare=False)
 
 
 class _Session:

@@ -176,11 +176,11 @@ async def bench_loop_stall(model_dir, tokenizer, size: int, n: int) -> dict:
                                "model": {"tokenizer": str(model_dir)},
                                "plugins": [{"prerender": {"inline_chars": inline}}]}))
         plugin = gw.chain.plugins[0]
-        stalls, done = [], False
+        stalls, stop = [], asyncio.Event()
 
-        async def ticker():
+        async def ticker(stalls=stalls, stop=stop):
             last = time.perf_counter()
-            while not done:
+            while not stop.is_set():
                 await asyncio.sleep(0.001)
                 now = time.perf_counter()
                 stalls.append(now - last)
@@ -194,7 +194,7 @@ async def bench_loop_stall(model_dir, tokenizer, size: int, n: int) -> dict:
                                      {"role": "system", "content": system},
                                      {"role": "user", "content": "hi"}]})
             await plugin.on_request(ctx)
-        done = True
+        stop.set()
         await task
         out[mode] = {"max_stall_ms": max(stalls) * 1e3,
                      "p99_stall_ms": sorted(stalls)[int(0.99 * (len(stalls) - 1))] * 1e3}
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
 
     results["prerender"] = pre = bench_prerender(tok, (2000, 10000), max(20, args.n // 4))
     print("prerender (baseline: render + tokenize every request)")
-    for size, r in pre.items():
+    for r in pre.values():
         print(f"  {r['tokens']:>6} tok: baseline {r['render_and_tokenize']['median_ms']:.3f} ms, "
               f"warm cache {r['warm_cache']['median_ms']:.3f} ms, speedup {r['speedup']:.1f}x "
               f"(first miss {r['first_miss_ms']:.2f} ms)   target >= 20x")

@@ -21,15 +21,14 @@ import statistics
 import sys
 import time
 
-from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.config.gateway import validate
-from prefixgate.proxy.context import RequestContext
-
+from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.plugins.prefix_keys import byte_hash_chain, render
 from prefixgate.plugins.sim import index_bench
 from prefixgate.plugins.sim.fleet_sim import EVENT_DELAY_S
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
-from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.plugins.prefix_keys import byte_hash_chain, render
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.proxy.context import RequestContext
 
 POLICIES = {
     "round_robin": ["round_robin"],

@@ -18,12 +18,20 @@ import secrets
 import sys
 
 from prefixgate.proxy.bench import archive as archive_mod
-from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.mixed import run_mixed
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.seed import run_seed
 from prefixgate.proxy.bench.stats import cell_table, compare_table, server_timing_lines
-from prefixgate.proxy.bench.target import (TargetError, auth_headers, base_url, cell_record,
-                                           client_session, measure, pick_model, request_body)
+from prefixgate.proxy.bench.target import (
+    TargetError,
+    auth_headers,
+    base_url,
+    cell_record,
+    client_session,
+    measure,
+    pick_model,
+    request_body,
+)
 
 
 def positive_list(cast, noun: str):
@@ -32,7 +40,8 @@ def positive_list(cast, noun: str):
         try:
             values = [cast(v) for v in text.split(",") if v.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {noun}, got {text!r}") from None
         if not values or any(v <= 0 for v in values):
             raise argparse.ArgumentTypeError(f"expected positive {noun}, got {text!r}")
         return values
@@ -91,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="seed: one round of 30 measured requests per stage")
+    p.add_argument("--quick", action="store_true",
+                   help="seed: one round of 30 measured requests per stage")
     p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
                    "pooled, to even out a shared machine (default 2)")
     p.add_argument("--policy", choices=["chwbl", "cache_aware"], help="seed: prefix_route "

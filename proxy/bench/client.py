@@ -10,8 +10,8 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Awaitable, Callable
 
 import aiohttp
 

@@ -18,15 +18,23 @@ import asyncio
 import sys
 from dataclasses import asdict, dataclass
 
-from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, stream_once
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
 from prefixgate.proxy.bench.stats import fmt
-from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
-                                           measure, request_body, run_demo_scenario, start_engines)
-from prefixgate.common.runtime import start_app
+from prefixgate.proxy.bench.target import (
+    cell_record,
+    client_session,
+    engines_config,
+    given,
+    measure,
+    request_body,
+    run_demo_scenario,
+    start_engines,
+)
+from prefixgate.proxy.config import gateway as config_mod
 
 LAYOUTS = {"mixed": ["both", "both"], "pd": ["prefill", "decode"]}
 

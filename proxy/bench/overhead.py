@@ -29,8 +29,8 @@ from pathlib import Path
 
 import aiohttp
 
-from prefixgate.proxy.bundled import free_port
 from prefixgate.common.runtime import install_uvloop, wait_ready
+from prefixgate.proxy.bundled import free_port
 
 NGINX_CONF = """
 worker_processes auto;
@@ -126,8 +126,8 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
     whose CPU counts as each target's proxy cost (none for direct)."""
     procs, targets, pids = [], {}, {}
     up_port = free_port("127.0.0.1")
-    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.standin", "--port", str(up_port),
-                        "--tokens", str(tokens), "--no-record"]))
+    procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.standin",
+                        "--port", str(up_port), "--tokens", str(tokens), "--no-record"]))
     targets["direct"] = f"http://127.0.0.1:{up_port}"
     if nginx_bin:
         port = free_port("127.0.0.1")

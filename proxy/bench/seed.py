@@ -36,15 +36,23 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
-from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import fmt, reduction, summarize
-from prefixgate.proxy.bench.target import (cell_record, client_session, engines_config, given,
-                                           measure, request_body, run_demo_scenario, start_engines)
+from prefixgate.proxy.bench.target import (
+    cell_record,
+    client_session,
+    engines_config,
+    given,
+    measure,
+    request_body,
+    run_demo_scenario,
+    start_engines,
+)
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.doctor import scrape as pm
-from prefixgate.common.runtime import start_app
 
 
 @dataclass
@@ -57,10 +65,10 @@ class Stage:
     pd: bool = False                 # one prefill + one decode engine (`pd: prefixgate`)
     kv_offload: bool = False         # a second KV tier behind each engine's cache
 
-    def roles(self, w: "Workload") -> list[str]:
+    def roles(self, w: Workload) -> list[str]:
         return ["prefill", "decode"] if self.pd else ["both"] * w.engines
 
-    def engine_args(self, w: "Workload") -> list[str]:
+    def engine_args(self, w: Workload) -> list[str]:
         args = ["--num-kv-blocks", str(w.kv_blocks()), "--max-num-seqs", str(w.concurrency),
                 "--max-num-batched-tokens", str(w.batched_tokens), "--log-level", "warning"]
         if not self.prefix_cache:
@@ -71,7 +79,7 @@ class Stage:
             args += ["--kv-offloading-size", str(w.kv_offloading_size)]
         return args
 
-    def plugins(self, w: "Workload") -> list[dict]:
+    def plugins(self, w: Workload) -> list[dict]:
         chain = [{"normalize": {}}] if self.normalize else []
         route = {"policy": w.policy}
         if w.policy == "cache_aware":

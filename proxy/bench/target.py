@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 

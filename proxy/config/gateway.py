@@ -12,14 +12,26 @@ from typing import Any
 
 import yaml
 
-from prefixgate.backend.config import (LOAD_FORMATS, check_kv_offloading, engine_configs,
-                                       parse_kv_events_config, parse_speculative_config)
+from prefixgate.backend.config import (
+    LOAD_FORMATS,
+    check_kv_offloading,
+    engine_configs,
+    parse_kv_events_config,
+    parse_speculative_config,
+)
+from prefixgate.common import tracing
+from prefixgate.common.schema import (
+    REQUIRED,
+    ConfigError,
+    Key,
+    check,
+    non_negative,
+    one_of,
+    positive,
+)
 from prefixgate.proxy import auth, pd
 from prefixgate.proxy.observe import access_log
-from prefixgate.proxy.upstream import discovery
-from prefixgate.proxy.upstream import health
-from prefixgate.common import tracing
-from prefixgate.common.schema import REQUIRED, ConfigError, Key, check, non_negative, one_of, positive
+from prefixgate.proxy.upstream import discovery, health
 from prefixgate.proxy.upstream.upstreams import TIMEOUTS, check_upstreams
 
 MODEL = {

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-
-from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.auth import Auth
+from prefixgate.proxy.chain import TrackingRegistry, build_chain
 
 log = logging.getLogger("prefixgate.reload")
 

@@ -202,7 +202,8 @@ def prefix_cache(ttft1: float | None, ttft2: float | None, before: dict | None,
         return Finding("b", title, "FAIL", f"the probe request failed: {errors[0]}",
                        "check the URL, the model name and the server's logs")
     times = f"TTFT {ms(ttft1)} then {ms(ttft2)}"
-    data = {"ttft1_ms": ttft1 and round(ttft1 * 1000, 1), "ttft2_ms": ttft2 and round(ttft2 * 1000, 1)}
+    data = {"ttft1_ms": ttft1 and round(ttft1 * 1000, 1),
+            "ttft2_ms": ttft2 and round(ttft2 * 1000, 1)}
     q = pm.delta(before or {}, after or {}, "prefix_queries") if after else None
     h = pm.delta(before or {}, after or {}, "prefix_hits") if after else None
     if q is not None:

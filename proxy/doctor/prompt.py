@@ -12,9 +12,8 @@ from __future__ import annotations
 import copy
 import json
 
-from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.common.schema import check
-
+from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.proxy.doctor.checks import FIX_DYNAMIC, SHAREABLE_LOW, Finding
 
 

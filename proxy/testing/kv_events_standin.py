@@ -58,7 +58,7 @@ class KVEventsStandIn:
         return {"endpoint": f"tcp://{self.host}:{self.port}",
                 "replay_endpoint": f"tcp://{self.host}:{self.replay_port}", "topic": self.topic}
 
-    async def start(self, port: int = 0, replay_port: int = 0) -> "KVEventsStandIn":
+    async def start(self, port: int = 0, replay_port: int = 0) -> KVEventsStandIn:
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._router = self._ctx.socket(zmq.ROUTER)

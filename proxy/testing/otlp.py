@@ -63,7 +63,7 @@ class OtlpReceiver:
     _runner: object = None
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "OtlpReceiver":
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> OtlpReceiver:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/traces", self._traces)
         self._runner, self.url = await start_app(app, host, port)

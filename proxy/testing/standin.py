@@ -26,8 +26,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from prefixgate.common.runtime import install_uvloop, start_app
-from prefixgate.proxy.testing.surface import (Surface, answer_model, model_cards, model_not_found,
-                                              paced_tokens, was_reset)
+from prefixgate.proxy.testing.surface import (
+    Surface,
+    answer_model,
+    model_cards,
+    model_not_found,
+    paced_tokens,
+    was_reset,
+)
 
 
 @dataclass
@@ -61,7 +67,7 @@ class StandIn(Surface):
     completed: int = 0
     running: int = 0
     url: str = ""
-    cache: "PrefixCacheModel" = field(default_factory=lambda: PrefixCacheModel())
+    cache: PrefixCacheModel = field(default_factory=lambda: PrefixCacheModel())
     responses: dict = field(default_factory=dict)     # Responses API: id -> response (in memory)
     _background: dict = field(default_factory=dict)   # id -> task of a `background` response
     _peers: set = field(default_factory=set)      # client (host, port): one per connection
@@ -77,7 +83,7 @@ class StandIn(Surface):
         self.add_surface(app)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "StandIn":
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> StandIn:
         self._runner, self.url = await start_app(self.app(), host, port)
         return self
 

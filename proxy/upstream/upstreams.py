@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 
-from prefixgate.proxy.upstream.h1pool import Pool
 from prefixgate.common.schema import ConfigError, Key, check, one_of, positive
+from prefixgate.proxy.upstream.h1pool import Pool
 
 TIMEOUTS = {
     "connect": Key((int, float), 5.0, positive),
@@ -122,7 +122,7 @@ class Upstream:
         self.set_model_cards(None)
         self.connections_opened = 0
         # called with (upstream, seconds) for each new connection; shared gateway-wide
-        self.on_connect: list[Callable[["Upstream", float], None]] = (
+        self.on_connect: list[Callable[[Upstream, float], None]] = (
             on_connect if on_connect is not None else [])
         self.session: aiohttp.ClientSession | None = None   # control plane: polls, /v1/models
         self.pool: Pool | None = None                         # data plane: completions
