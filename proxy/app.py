@@ -1,4 +1,6 @@
-"""The gateway: an aiohttp app that runs the plugin chain and streams upstream bytes back."""
+"""The gateway's aiohttp app and its handlers. A proxied request goes parse → chain → decide
+→ exchange → relay → finish (DESIGN.md §2): each upstream tried is one exchange.Attempt (a P/D
+request's legs: pd.py), and the answer the client gets is relayed as the upstream sent it."""
 from __future__ import annotations
 
 import asyncio
@@ -12,40 +14,29 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
 
-from prefixgate.proxy import guard
-from prefixgate.proxy.observe import breakdown
-from prefixgate.proxy.upstream import h1pool
-from prefixgate.proxy import pd, route
-from prefixgate.proxy.config import reload
 from prefixgate.common import server_timing
-from prefixgate.proxy import token_forward
-from prefixgate.proxy.observe import usage
-from prefixgate.proxy.auth import Auth
-from prefixgate.proxy.context import RequestContext
 from prefixgate.common.errors import HTTPError
+from prefixgate.common.runtime import encode_body, json_errors_middleware, parse_json_object
+from prefixgate.proxy import guard, pd, route, token_forward
+from prefixgate.proxy.auth import Auth
+from prefixgate.proxy.chain import TrackingRegistry, build_chain
+from prefixgate.proxy.config import reload
+from prefixgate.proxy.context import RequestContext
+from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
+from prefixgate.proxy.exchange import (HOP_BY_HOP, RETRY_STATUSES, Attempt, UpstreamFailed,
+                                       may_retry)
+from prefixgate.proxy.observe import breakdown, usage
+from prefixgate.proxy.observe.observer import Observer
+from prefixgate.proxy.upstream import h1pool, multipart
 from prefixgate.proxy.upstream.discovery import Discovery
 from prefixgate.proxy.upstream.health import Health
-from prefixgate.proxy.upstream import multipart
-from prefixgate.proxy.chain import TrackingRegistry, build_chain
-from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
-from prefixgate.proxy.observe.observer import Observer
-from prefixgate.common.runtime import encode_body, json_errors_middleware, parse_json_object
 from prefixgate.proxy.upstream.upstreams import Upstream
 
 log = logging.getLogger("prefixgate")
 
-# Connection-scoped headers (RFC 9110 §7.6.1) plus ones the gateway recomputes itself.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
-    "expect",      # 100-continue is between the client and us; the body is already coming
-})
 # the upstream's own, replaced by the gateway's (Server-Timing: extended with its entries)
 REPLACED_ANSWER_HEADERS = frozenset({"date", "server", "server-timing"})
-TRACE_HEADERS = frozenset({"traceparent", "tracestate"})   # replaced when the gateway traces
 STREAM_TAIL_CHUNKS = 3     # a stream's last chunks kept: its usage event is the last one
-# answers worth another upstream when no byte has reached the client yet (nginx's default set)
-RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class EventStreamResponse(web.StreamResponse):
@@ -59,10 +50,6 @@ class EventStreamResponse(web.StreamResponse):
 
 class ClientGone(Exception):
     """The client closed its connection before the response was complete."""
-
-
-class UpstreamFailed(Exception):
-    """The upstream failed before any byte reached the client: safe to try another one."""
 
 
 class Gateway:
@@ -213,25 +200,13 @@ class Gateway:
         chain.active += 1
         error: BaseException | None = None
         try:
-            self._authenticate(ctx)
-            await self._read(request, ctx)
-            if endpoint.responses:
-                stored = (request.match_info.get("response_id")
-                          or ctx.body.get("previous_response_id"))
-                if isinstance(stored, str):
-                    ctx.pin = self.responses.owner(stored)
-            ctx.stamp("parsed")
+            await self._parse(request, ctx)
             if endpoint.prompt:
                 for hook in chain.on_request:
                     await hook(ctx)
             ctx.stamp("plugins_done")
-            ctx.pd = pd.protocol_for(self, ctx)
-            ctx.upstream = self.decide(ctx)
-            ctx.stamp("routed")
-            for hook in chain.admit:
-                await hook(ctx)
-            ctx.stamp("admitted")
-            return await self.forward(request, ctx)
+            await self._route(ctx)
+            return await self.forward(request, ctx)      # exchange → relay
         except HTTPError as e:
             error = e
             ctx.status, ctx.error = e.status, e.message
@@ -249,13 +224,41 @@ class Gateway:
             ctx.status, ctx.error = 500, f"internal gateway error ({type(e).__name__})"
             raise
         finally:
-            ctx.stamp("done")
-            chain.active -= 1
-            for hook in chain.on_finish:
-                try:
-                    hook(ctx, error)
-                except Exception:
-                    log.exception("plugin on_finish failed")
+            self._finish(ctx, error)
+
+    async def _parse(self, request: web.Request, ctx: RequestContext) -> None:
+        """Who asks (their key and its limits), the body and the model it names, and the
+        upstream a stored response pins the request to."""
+        self._authenticate(ctx)
+        await self._read(request, ctx)
+        if ctx.endpoint.responses:
+            stored = (request.match_info.get("response_id")
+                      or ctx.body.get("previous_response_id"))
+            if isinstance(stored, str):
+                ctx.pin = self.responses.owner(stored)
+        ctx.stamp("parsed")
+
+    async def _route(self, ctx: RequestContext) -> None:
+        """The request's flow (plain or P/D) and upstream, then its slot there (an `admit`
+        hook may queue it)."""
+        ctx.pd = pd.protocol_for(self, ctx)
+        ctx.upstream = self.decide(ctx)
+        ctx.stamp("routed")
+        for hook in ctx.chain.admit:
+            await hook(ctx)
+        ctx.stamp("admitted")
+
+    @staticmethod
+    def _finish(ctx: RequestContext, error: BaseException | None) -> None:
+        """The on_finish hooks (the access log line and the span end follow, in the
+        observer's middleware)."""
+        ctx.stamp("done")
+        ctx.chain.active -= 1
+        for hook in ctx.chain.on_finish:
+            try:
+                hook(ctx, error)
+            except Exception:
+                log.exception("plugin on_finish failed")
 
     async def _read(self, request: web.Request, ctx: RequestContext) -> None:
         """The request's body as its endpoint takes it, and the model it names."""
@@ -330,86 +333,50 @@ class Gateway:
             ctx.priority = key.priority or 0
             self.auth.limit(key)
 
+    # --- exchange and relay ----------------------------------------------------------------
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
         data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
         if not ctx.endpoint.replayable:
             data = guard.capped(multipart.iter_body(ctx.raw_body, request.content),
                                 self.config["limits"]["max_body_bytes"])
-        tried: list[Upstream] = []
         while True:
             ctx.attempts += 1
             try:
                 if pd.active(ctx):
                     return await pd.exchange(self, request, ctx, data)   # a prefill leg first
-                return await self._exchange(request, ctx, ctx.upstream, data)
+                return await self.relay(request, ctx, ctx.upstream, data)
             except UpstreamFailed as e:
-                tried.append(ctx.upstream)
+                ctx.tried.append(ctx.upstream)
                 failed = HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
                                    code="upstream_unavailable")
-                if ctx.attempts > self.retries or not ctx.endpoint.replayable:
+                if not may_retry(self, ctx, ctx.tried):
                     raise failed from None
                 try:
-                    ctx.upstream = self.decide(ctx, tried)
+                    ctx.upstream = self.decide(ctx, ctx.tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
 
-    def _can_retry(self, ctx: RequestContext, up: Upstream) -> bool:
-        return ctx.attempts <= self.retries and ctx.endpoint.replayable and any(
-            u.healthy and u is not up and u.role != "prefill" for u in self.upstreams)
-
-    async def _exchange(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
+    async def relay(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
+        """One attempt on `up` whose answer the client gets (the plain path, a P/D decode
+        leg), relayed whole or as a stream; UpstreamFailed: another upstream may take it."""
         path, as_tokens = ctx.target, self._as_tokens(ctx, up)
         if as_tokens:
             path = "/v1/completions"
             data = encode_body(token_forward.chat_to_completions(ctx.body, ctx.tokens))
-        attempt = self.observer.attempt(ctx) if self.observer is not None else None
-        up.inflight += 1
-        upstream_resp: h1pool.Response | None = None
-        started = ctx.stamp("upstream_sent")
-        failure: str | None = None
-        connect_failed = False
-        try:
-            try:
-                async with asyncio.timeout(up.timeouts["first_byte"]):
-                    upstream_resp = await up.pool.request(
-                        ctx.endpoint.method, path, self._upstream_headers(ctx, up, attempt),
-                        data, length=ctx.upload_length)     # used by a streamed upload only
-                    first = await upstream_resp.read() if ctx.stream else b""
-            except TimeoutError:
-                failure = "first-byte timeout"
-                self.health.bad_answer(up, failure)
-                raise HTTPError(504, f"upstream {up.name} sent no response within "
-                                f"{up.timeouts['first_byte']}s", code="upstream_timeout") from None
-            except h1pool.UpstreamError as e:
-                failure = str(e)
-                if e.connect:
-                    connect_failed = True
-                    self.health.connect_failed(up, failure)
-                else:
-                    self.health.bad_answer(up, failure)
-                raise UpstreamFailed(failure) from None
-            finally:
-                breakdown.account_attempt(ctx, started, upstream_resp, connect_failed)
+        with Attempt(self, ctx, up, path) as attempt:
+            first = await attempt.send(ctx.endpoint.method, data, ctx.upload_length,
+                                       read="first" if ctx.stream else "head")
+            upstream_resp = attempt.resp
             ctx.upstream_timing = _header(upstream_resp, b"server-timing")
-            if upstream_resp.status >= 500:
-                self.health.bad_answer(up, f"HTTP {upstream_resp.status}")
-                if upstream_resp.status in RETRY_STATUSES and self._can_retry(ctx, up):
-                    failure = f"HTTP {upstream_resp.status}"
-                    raise UpstreamFailed(failure)
-            else:
-                self.health.good_answer(up)
+            if upstream_resp.status in RETRY_STATUSES and may_retry(self, ctx,
+                                                                    [*ctx.tried, up]):
+                raise attempt.give_up()
             if ctx.stream and is_event_stream(upstream_resp):
-                return await self._relay_stream(request, ctx, up, upstream_resp, first,
+                return await self._relay_stream(request, ctx, attempt, first,
                                                 token_forward.StreamConverter() if as_tokens
                                                 else None)
-            return await self._relay_whole(request, ctx, up, upstream_resp, first, as_tokens)
-        finally:
-            up.inflight -= 1
-            if upstream_resp is not None:
-                upstream_resp.close()    # unfinished: drops the connection, the backend stops
-            if attempt is not None:
-                self.observer.attempt_done(ctx, attempt, up, path, upstream_resp, failure)
+            return await self._relay_whole(request, ctx, attempt, first, as_tokens)
 
     @staticmethod
     def _as_tokens(ctx: RequestContext, up: Upstream) -> bool:
@@ -418,26 +385,28 @@ class Gateway:
                 and not pd.active(ctx)                     # P/D legs go as the client sent
                 and ctx.path == "/v1/chat/completions" and token_forward.eligible(ctx.body))
 
-    async def _relay_whole(self, request, ctx, up, upstream_resp, first,
+    async def _relay_whole(self, request, ctx, attempt: Attempt, first: bytes,
                            as_tokens: bool = False) -> web.Response:
+        up, upstream_resp = attempt.up, attempt.resp
         try:
             async with asyncio.timeout(up.timeouts["idle"]):
                 rest = await upstream_resp.read_all()
         except (TimeoutError, h1pool.UpstreamError) as e:
-            self.health.bad_answer(up, describe(e))
+            attempt.broken(describe(e))
             raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
                             code="upstream_error") from None
         body = first + rest
         answer = self._answer(ctx, upstream_resp, body)
         problem = broken_success(upstream_resp, answer) if ctx.endpoint.prompt else None
         if problem:
-            self.health.bad_answer(up, problem)
+            attempt.broken(problem)
             raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
         if as_tokens and upstream_resp.status == 200:
             body = encode_body(token_forward.completion_to_chat(answer))
         if ctx.endpoint.responses and upstream_resp.status == 200:
             self.responses.learn_whole(body, up.name)
         ctx.stamp("first_byte")
+        ctx.client_has_bytes = True
         for hook in ctx.chain.on_first_byte:
             hook(ctx)
         ctx.status, ctx.bytes_out = upstream_resp.status, len(body)
@@ -459,11 +428,12 @@ class Gateway:
                 ctx.error = usage.error_message(answer)
         return answer
 
-    async def _relay_stream(self, request, ctx, up, upstream_resp, first,
+    async def _relay_stream(self, request, ctx, attempt: Attempt, first: bytes,
                             convert: token_forward.StreamConverter | None = None
                             ) -> web.StreamResponse:
         """Write each upstream chunk to the client as it arrives (`convert`: token-id
         completions rewritten into chat chunks, event by event)."""
+        up, upstream_resp = attempt.up, attempt.resp
         resp = EventStreamResponse(status=upstream_resp.status,
                                    headers=self._response_headers(ctx, upstream_resp))
         ctx.status = upstream_resp.status
@@ -473,7 +443,8 @@ class Gateway:
         seek_id = b"" if ctx.endpoint.responses else None   # the stream's head, until its id
         tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if self.observer is not None else None
         try:
-            ctx.stamp("first_byte")          # from here on the answer is the client's (pd.py)
+            ctx.stamp("first_byte")
+            ctx.client_has_bytes = True      # from here on the answer is the client's
             await resp.prepare(request)      # headers are held back and sent with the first chunk
             chunk = first
             for hook in chain.on_first_byte:
@@ -501,7 +472,7 @@ class Gateway:
                     async with asyncio.timeout(idle):
                         chunk = await upstream_resp.read()
                 except (TimeoutError, h1pool.UpstreamError) as e:
-                    self.health.bad_answer(up, describe(e))
+                    attempt.broken(describe(e))
                     err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
                                     code="upstream_error")
                     ctx.status, ctx.error = 502, err.message
@@ -513,33 +484,6 @@ class Gateway:
         return resp
 
     # --- headers ---------------------------------------------------------------------------
-    def _upstream_headers(self, ctx: RequestContext, up: Upstream,
-                          attempt=None) -> list[tuple[str, str]]:
-        replaced = up.replaced_headers                # set below, or by the upstream's config
-        if attempt is not None:                       # the gateway's span is the parent now
-            replaced = replaced | TRACE_HEADERS
-        key = ctx.key
-        if not self.auth.forward:          # a key for the gateway is not one for the backend
-            replaced = replaced | {"authorization"}
-        if key is not None and key.upstream_headers:
-            replaced = replaced | key.replaced
-        headers = [(k, v) for k, v in ctx.headers.items()
-                   if k.lower() not in HOP_BY_HOP and k.lower() not in replaced]
-        headers += [("Accept-Encoding", "identity"),  # never let a stream be compressed
-                    ("X-Request-Id", ctx.request_id)]
-        kind = ctx.endpoint.body
-        if kind == "json" or (kind == "raw" and ctx.body_changed):
-            headers.append(("Content-Type", "application/json"))
-        elif kind != "none":          # multipart (its boundary) or a passthrough body
-            headers.append(("Content-Type", ctx.headers.get("Content-Type",
-                                                            "application/octet-stream")))
-        headers += up.extra_headers.items()
-        if key is not None:
-            headers += key.upstream_headers.items()
-        if attempt is not None:
-            headers += attempt.headers
-        return headers
-
     def _our_headers(self, ctx: RequestContext) -> dict[str, str]:
         headers = {"x-prefixgate-request-id": ctx.request_id, **ctx.response_headers}
         if ctx.upstream is not None:

@@ -45,6 +45,8 @@ class RequestContext:
     status: int | None = None                  # status sent to the client
     chunks: int = 0                            # SSE data events seen (≈ tokens) for TPOT
     attempts: int = 0                          # upstreams tried
+    tried: list = field(default_factory=list)  # the upstreams that failed it before a byte
+    client_has_bytes: bool = False             # the answer has begun: no other upstream now
     # the TTFT breakdown (proxy/breakdown.py): seconds summed over attempts, and what the
     # upstream's `Server-Timing` said
     connect_s: float = 0.0                     # pool wait + TCP connect

@@ -26,12 +26,13 @@ sglang — one (prefill, decode) pair per request, sent at once, both with the c
   sent the client nothing.
 
 Failures: a prefill leg that fails (no connection, 5xx, timeout; vllm: an answer without
-`kv_transfer_params`) is tried on another prefill upstream, up to `retries` times; after that,
-or at once when the prefill refuses the request (4xx), the request goes plain to its decode
-upstream, which computes the prompt itself (`x-prefixgate-pd: fallback`). A decode leg that
-fails before the client's first byte is retried on another decode upstream like any request
-(Gateway.forward), with a fresh prefill leg: vLLM's transferred blocks are consumed, SGLang's
-room is spent.
+`kv_transfer_params`) is tried on another prefill upstream, up to `retries` times (the one
+retry rule, exchange.may_retry); after that, or at once when the prefill refuses the request
+(4xx), the request goes plain to its decode upstream, which computes the prompt itself
+(`x-prefixgate-pd: fallback`). A decode leg that fails before the client's first byte is
+retried on another decode upstream like any request (Gateway.forward), with a fresh prefill
+leg: vLLM's transferred blocks are consumed, SGLang's room is spent. Each leg is one
+exchange.Attempt.
 """
 from __future__ import annotations
 
@@ -43,13 +44,12 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from prefixgate.proxy import route
-from prefixgate.proxy.observe import breakdown
-from prefixgate.proxy.upstream import h1pool
-from prefixgate.proxy.observe import usage
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import encode_body
 from prefixgate.common.schema import REQUIRED, ConfigError, Key, check, one_of
+from prefixgate.proxy import route
+from prefixgate.proxy.exchange import Attempt, UpstreamFailed, may_retry
+from prefixgate.proxy.observe import usage
 
 log = logging.getLogger("prefixgate.pd")
 
@@ -125,17 +125,16 @@ def active(ctx) -> bool:
 
 async def exchange(gw, request: web.Request, ctx, data: bytes) -> web.StreamResponse:
     """One P/D attempt on the decode upstream `ctx.upstream`: prefill legs until one succeeds
-    (another prefill upstream after each failure), then the decode leg, whose answer is
-    relayed to the client; with no prefill leg left, the original body `data` goes plain to
-    the decode upstream. Raises app.UpstreamFailed when the decode fails before a byte."""
+    (another prefill upstream after each failure, as `may_retry` allows), then the decode
+    leg, whose answer is relayed to the client; with no prefill leg left, the original body
+    `data` goes plain to the decode upstream. UpstreamFailed: the decode failed before a
+    byte."""
     decode, tried = ctx.upstream, []
-    while len(tried) <= gw.retries:
+    while True:
         try:
             prefill = route.decide(gw.upstreams, ctx.chain, ctx, tried, roles=route.PREFILL)
         except HTTPError:
             break                  # no healthy prefill upstream left
-        if prefill in tried:
-            break
         ctx.prefill_upstream = prefill
         ctx.response_headers.update({"x-prefixgate-pd": ctx.pd,
                                      "x-prefixgate-prefill-upstream": prefill.name})
@@ -147,15 +146,15 @@ async def exchange(gw, request: web.Request, ctx, data: bytes) -> web.StreamResp
             log.warning("request %s: prefill leg on %s failed: %s", ctx.request_id,
                         prefill.name, e)
             tried.append(prefill)
-            if e.refused:
+            if e.refused or not may_retry(gw, ctx, tried, route.PREFILL):
                 break
             continue
-        return await gw._exchange(request, ctx, decode,
-                                  encode_body({**ctx.body, "kv_transfer_params": params}))
+        return await gw.relay(request, ctx, decode,
+                              encode_body({**ctx.body, "kv_transfer_params": params}))
     ctx.pd, ctx.prefill_upstream = FALLBACK, None
     ctx.response_headers.pop("x-prefixgate-prefill-upstream", None)
     ctx.response_headers["x-prefixgate-pd"] = FALLBACK
-    return await gw._exchange(request, ctx, decode, data)
+    return await gw.relay(request, ctx, decode, data)
 
 
 async def _vllm_prefill(gw, ctx, up) -> dict:
@@ -164,12 +163,13 @@ async def _vllm_prefill(gw, ctx, up) -> dict:
     body.update(kv_transfer_params=dict(REMOTE_DECODE), stream=False, max_tokens=1)
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    answer = usage.from_body(await _prefill_leg(gw, ctx, up, encode_body(body), in_line=True))
-    params = answer.get("kv_transfer_params") if answer is not None else None
-    if not isinstance(params, dict) or not params:
-        gw.health.bad_answer(up, "prefill answer without kv_transfer_params")
-        raise PrefillFailed("its answer has no kv_transfer_params (is vLLM started with a "
-                            "--kv-transfer-config?)")
+    with Attempt(gw, ctx, up) as attempt:         # the decode waits for it: in line
+        answer = usage.from_body(await _prefill_leg(attempt, encode_body(body)))
+        params = answer.get("kv_transfer_params") if answer is not None else None
+        if not isinstance(params, dict) or not params:
+            attempt.broken("prefill answer without kv_transfer_params")
+            raise PrefillFailed("its answer has no kv_transfer_params (is vLLM started with a "
+                                "--kv-transfer-config?)")
     return params
 
 
@@ -179,13 +179,13 @@ async def _sglang_pair(gw, request, ctx, prefill, decode) -> web.StreamResponse:
     data = encode_body({**ctx.body, "bootstrap_host": f"[{host}]" if ":" in host else host,
                         "bootstrap_port": prefill.cfg["bootstrap_port"],
                         "bootstrap_room": random.getrandbits(63)})
-    prefill_leg = asyncio.ensure_future(_prefill_leg(gw, ctx, prefill, data, in_line=False))
-    decode_leg = asyncio.ensure_future(gw._exchange(request, ctx, decode, data))
+    prefill_leg = asyncio.ensure_future(_sglang_prefill(gw, ctx, prefill, data))
+    decode_leg = asyncio.ensure_future(gw.relay(request, ctx, decode, data))
     try:
         await asyncio.wait((prefill_leg, decode_leg), return_when=asyncio.FIRST_COMPLETED)
         if (prefill_leg.done() and prefill_leg.exception() is not None
-                and "first_byte" not in ctx.t):     # the client has nothing from the decode
-            raise prefill_leg.exception()           # (the finally cancels it)
+                and not ctx.client_has_bytes):
+            raise prefill_leg.exception()           # (the finally cancels the decode)
         return await decode_leg
     finally:
         for leg in (decode_leg, prefill_leg):       # a dead pair's partner, or the client left
@@ -194,46 +194,27 @@ async def _sglang_pair(gw, request, ctx, prefill, decode) -> web.StreamResponse:
         await asyncio.gather(decode_leg, prefill_leg, return_exceptions=True)
 
 
-async def _prefill_leg(gw, ctx, up, data: bytes, in_line: bool) -> bytes:
-    """One prefill leg, its whole answer read (within the upstream's `first_byte` timeout:
-    a prefill answers when its first token is out). `in_line`: the decode waits for it (vLLM),
-    so its time is part of the request's connect and upstream time."""
-    observer = gw.observer
-    attempt = observer.attempt(ctx) if observer is not None else None
-    up.inflight += 1
+async def _sglang_prefill(gw, ctx, up, data: bytes) -> None:
+    """SGLang's prefill leg: its answer is dropped, and the decode does not wait for it."""
+    with Attempt(gw, ctx, up, in_line=False) as attempt:
+        await _prefill_leg(attempt, data)
+
+
+async def _prefill_leg(attempt: Attempt, data: bytes) -> bytes:
+    """A prefill leg's whole answer (read within the upstream's `first_byte` timeout: a
+    prefill answers once its first token is out); PrefillFailed when there is none to use."""
+    ctx = attempt.ctx
     started = time.monotonic()
-    resp: h1pool.Response | None = None
-    failure, connect_failed = None, False
     try:
-        async with asyncio.timeout(up.timeouts["first_byte"]):
-            resp = await up.pool.request("POST", ctx.target,
-                                         gw._upstream_headers(ctx, up, attempt), data)
-            answer = await resp.read_all()
-    except TimeoutError:
-        failure = f"no answer within {up.timeouts['first_byte']}s"
-        gw.health.bad_answer(up, failure)
-    except h1pool.UpstreamError as e:
-        failure, connect_failed = str(e), e.connect
-        if e.connect:
-            gw.health.connect_failed(up, failure)
-        else:
-            gw.health.bad_answer(up, failure)
+        answer = await attempt.send("POST", data, read="all")
+    except (UpstreamFailed, HTTPError) as e:
+        raise PrefillFailed(str(e)) from None
     finally:
-        up.inflight -= 1
         ctx.prefill_s += time.monotonic() - started
-        if in_line:
-            breakdown.account_attempt(ctx, started, resp, connect_failed)
-        if resp is not None:
-            resp.close()
-        if attempt is not None:
-            observer.attempt_done(ctx, attempt, up, ctx.target, resp, failure)
-    if failure is not None:
-        raise PrefillFailed(failure)
-    if resp.status >= 500:
-        gw.health.bad_answer(up, f"HTTP {resp.status}")
-        raise PrefillFailed(f"HTTP {resp.status}")
-    gw.health.good_answer(up)
-    if resp.status >= 300:
+    status = attempt.resp.status
+    if status >= 500:
+        raise PrefillFailed(f"HTTP {status}")
+    if status >= 300:
         said = usage.error_message(usage.from_body(answer))
-        raise PrefillFailed(f"HTTP {resp.status}" + (f": {said}" if said else ""), refused=True)
+        raise PrefillFailed(f"HTTP {status}" + (f": {said}" if said else ""), refused=True)
     return answer

@@ -179,3 +179,16 @@ def test_bad_access_log_config_names_the_key(tmp_path):
         config_mod.validate({**base, "access_log": {"colour": True}})
     assert config_mod.validate({**base, "access_log": {}})["access_log"] == {
         "path": "-", "format": "json"}
+
+
+async def test_a_request_the_router_refuses_logs_why(logged):
+    gw, _, path = logged
+    async with aiohttp.ClientSession() as client:
+        async with client.get(gw.url + "/nope") as r:
+            assert r.status == 404
+        async with client.delete(gw.url + "/v1/chat/completions") as r:
+            assert r.status == 405
+    unknown, wrong_method = await read_lines(path, 2)
+    assert unknown["status"] == 404 and unknown["error"] == "no route for GET /nope"
+    assert wrong_method["status"] == 405
+    assert wrong_method["error"] == "method DELETE not allowed on /v1/chat/completions"

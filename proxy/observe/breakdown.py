@@ -70,9 +70,9 @@ def fields(ctx) -> dict[str, float | None]:
 
 
 def account_attempt(ctx, started: float, resp, connect_failed: bool) -> None:
-    """An attempt's time (`resp`: its h1pool.Response, None without one), split at its request's writing into connect and upstream time
-    (an attempt that failed without an answer: all connect when no connection opened, else
-    all upstream — the request was most likely written)."""
+    """An attempt's time, split at its request's writing into connect and upstream time
+    (`resp`: its h1pool.Response; an attempt that failed without one: all connect when no
+    connection opened, else all upstream — the request was most likely written)."""
     now = time.monotonic()
     if resp is not None:
         ctx.connect_s += resp.sent_at - started

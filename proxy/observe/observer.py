@@ -167,7 +167,8 @@ class Observer:
                       stream=False, status=status, attempts=0,
                       duration_ms=round((time.monotonic() - started) * 1e3, 3),
                       bytes_out=_body_length(resp),
-                      error="the client closed the connection" if failed is not None else None)
+                      error="the client closed the connection" if failed is not None
+                      else _error_message(resp) if status >= 400 else None)
         return fields
 
     def _server_span(self, request: web.Request, ctx, fields: dict) -> None:
@@ -240,6 +241,15 @@ def _route(ctx) -> str | None:
 
 def _status(resp) -> int:
     return resp.status if resp is not None else 500
+
+
+def _error_message(resp) -> str | None:
+    """An error answer's message: the JSON errors middleware wrote every one the gateway
+    makes itself (the router's 404 and 405 among them)."""
+    body = getattr(resp, "body", None)
+    if not isinstance(body, (bytes, bytearray)):
+        return None
+    return usage.error_message(usage.from_body(body))
 
 
 def _body_length(resp) -> int:

@@ -119,7 +119,8 @@ class Discovery:
 
     def upstream_config(self, address: str) -> dict:
         cfg = self.cfg
-        host = f"[{address}]" if ipaddress.ip_address(address.split("%")[0]).version == 6 else address
+        ipv6 = ipaddress.ip_address(address.split("%")[0]).version == 6
+        host = f"[{address}]" if ipv6 else address
         up = {k: cfg[k] for k in UPSTREAM if k not in ("name", "url")}
         up["name"] = f"{host}:{cfg['port']}"
         up["url"] = f"{cfg['scheme']}://{host}:{cfg['port']}"
