@@ -12,7 +12,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefixgate.common import server_timing
 from prefixgate.common.errors import HTTPError
@@ -23,8 +23,7 @@ from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.config import reload
 from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
-from prefixgate.proxy.exchange import (HOP_BY_HOP, RETRY_STATUSES, Attempt, UpstreamFailed,
-                                       may_retry)
+from prefixgate.proxy.exchange import HOP_BY_HOP, RETRY_STATUSES, Attempt, UpstreamFailed, may_retry
 from prefixgate.proxy.observe import breakdown, usage
 from prefixgate.proxy.observe.observer import Observer
 from prefixgate.proxy.upstream import h1pool, multipart

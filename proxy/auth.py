@@ -12,8 +12,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from prefixgate.common.schema import ConfigError, Key, check, positive
 from prefixgate.common.errors import HTTPError
+from prefixgate.common.schema import ConfigError, Key, check, positive
 
 RATE = {
     "requests_per_minute": Key((int, float), 60.0, positive),
@@ -41,7 +41,7 @@ class ApiKey:
     name: str
     priority: int | None
     upstream_headers: dict[str, str]
-    bucket: "TokenBucket | None" = None
+    bucket: TokenBucket | None = None
 
     @property
     def replaced(self) -> frozenset[str]:
@@ -117,7 +117,7 @@ def validate(raw) -> dict | None:
 class Auth:
     """Checks `Authorization: Bearer <key>` on /v1/ requests; None config = open gateway."""
 
-    def __init__(self, cfg: dict | None, old: "Auth | None" = None):
+    def __init__(self, cfg: dict | None, old: Auth | None = None):
         self.cfg = cfg
         self.keys = parse_keys(cfg) if cfg else []
         self.forward = cfg["forward_auth"] if cfg else True

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from prefixgate.proxy.observe import access_log
-from prefixgate.proxy.observe import breakdown
-from prefixgate.proxy.observe import usage
+from prefixgate.proxy.observe import access_log, breakdown, usage
 from prefixgate.proxy.observe.access_log import AccessLog
 from prefixgate.proxy.observe.span_export import SpanExport
 
@@ -45,7 +43,7 @@ class Observer:
         self.spans = spans
 
     @classmethod
-    def from_config(cls, config: dict) -> "Observer | None":
+    def from_config(cls, config: dict) -> Observer | None:
         log_cfg, trace_cfg = config.get("access_log"), config.get("tracing")
         if log_cfg is None and trace_cfg is None:
             return None

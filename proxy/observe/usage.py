@@ -44,8 +44,8 @@ def from_large_body(body: bytes) -> dict | None:
     """{"usage": ...} of a large JSON answer, read near its end where servers put it."""
     near_end = body[-USAGE_NEAR_END_BYTES:]
     found = None
-    for found in _USAGE_OBJECT.finditer(near_end):
-        pass                          # the last one
+    for match in _USAGE_OBJECT.finditer(near_end):
+        found = match                 # the last one
     if found is None:
         return None
     try:

@@ -26,7 +26,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from prefixgate.common.runtime import cancel_and_wait
 from prefixgate.common.schema import ConfigError, Key, check, one_of, positive

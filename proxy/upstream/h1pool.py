@@ -16,7 +16,7 @@ import socket
 import ssl as ssl_mod
 import time
 from collections import deque
-from typing import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Callable
 
 import httptools
 from yarl import URL
@@ -36,7 +36,7 @@ class UpstreamError(Exception):
 class Response:
     """A response whose status and headers have arrived; the body is read as it comes."""
 
-    def __init__(self, conn: "Connection"):
+    def __init__(self, conn: Connection):
         self._conn: Connection | None = conn
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -126,7 +126,7 @@ class Response:
 class Connection(asyncio.Protocol):
     """One keep-alive connection; parses responses with llhttp as bytes arrive."""
 
-    def __init__(self, pool: "Pool"):
+    def __init__(self, pool: Pool):
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None

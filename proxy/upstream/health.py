@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixgate.common.schema import Key, non_negative, positive
 from prefixgate.common.runtime import cancel_and_wait
+from prefixgate.common.schema import Key, non_negative, positive
 
 log = logging.getLogger("prefixgate.health")
 

@@ -9,7 +9,7 @@ without holding the file. The format: RFC 7578 (form-data) over RFC 2046 (multip
 from __future__ import annotations
 
 import re
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 from urllib.parse import unquote
 
 CRLF = b"\r\n"
