@@ -21,19 +21,10 @@ from dataclasses import asdict, dataclass
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy.bench import target
 from prefixgate.proxy.bench.client import Sample, stream_once
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
 from prefixgate.proxy.bench.stats import fmt
-from prefixgate.proxy.bench.target import (
-    cell_record,
-    client_session,
-    engines_config,
-    given,
-    measure,
-    request_body,
-    run_demo_scenario,
-    start_engines,
-)
 from prefixgate.proxy.config import gateway as config_mod
 
 LAYOUTS = {"mixed": ["both", "both"], "pd": ["prefill", "decode"]}
@@ -59,7 +50,8 @@ class MixedWorkload:
 
 
 def parse_workload(args) -> MixedWorkload:
-    w = given(MixedWorkload(), long_requests=args.requests, seed=args.seed, rounds=args.rounds)
+    w = target.given(MixedWorkload(), long_requests=args.requests, seed=args.seed,
+                     rounds=args.rounds)
     if args.concurrency:
         w.decoders = args.concurrency[0]
     if args.rate:
@@ -73,7 +65,7 @@ def parse_workload(args) -> MixedWorkload:
 
 def run_mixed(args) -> int:
     w = parse_workload(args)
-    return run_demo_scenario(
+    return target.run_demo_scenario(
         args, lambda lengths: run_layouts(w, lengths, args.timeout, args.slo_ttft_ms),
         print_mixed)
 
@@ -94,10 +86,10 @@ async def run_layouts(w: MixedWorkload, lengths: Lengths, timeout: float,
     for name in layouts:
         longs = [s for run in runs[name] for s in run[0]]
         decodes = [s for run in runs[name] for s in run[1]]
-        cells.append(cell_record(f"{name}: long prompts", {"layout": name, "kind": "long"},
-                                 longs, slo_s))
-        cells.append(cell_record(f"{name}: decoders", {"layout": name, "kind": "decode"},
-                                 decodes, slo_s))
+        cells.append(target.cell_record(f"{name}: long prompts",
+                                        {"layout": name, "kind": "long"}, longs, slo_s))
+        cells.append(target.cell_record(f"{name}: decoders",
+                                        {"layout": name, "kind": "decode"}, decodes, slo_s))
     return {"schema": archive_mod.SCHEMA, "kind": "mixed",
             "config": {"scenario": "mixed", "model": "demo", "workload": asdict(w),
                        "engine_args": w.engine_args(), "layouts": {k: LAYOUTS[k] for k in layouts},
@@ -110,14 +102,14 @@ async def run_layout(name: str, w: MixedWorkload, decode_prompts: PromptSet,
     """One run: engines in this layout (`launcher`, default: bundled engine processes), the
     gateway in front, both loads at once; returns (long-prompt samples, decoder samples)."""
     roles = LAYOUTS[name]
-    engines = await start_engines(roles, w.engine_args(), w.engine_threads, launcher)
-    raw = engines_config(engines, roles, [{"least_inflight": {}}, {"metrics": {}}], timeout)
+    engines = await target.start_engines(roles, w.engine_args(), w.engine_threads, launcher)
+    raw = target.engines_config(engines, roles, [{"least_inflight": {}}, {"metrics": {}}], timeout)
     runner = None
     try:
         gateway = Gateway(config_mod.validate(raw))
         runner, url = await start_app(gateway.make_app(), "127.0.0.1", 0)
         chat = url + "/v1/chat/completions"
-        async with client_session(timeout) as session:
+        async with target.client_session(timeout) as session:
             decodes: list[Sample] = []
             stop = asyncio.Event()
 
@@ -125,14 +117,14 @@ async def run_layout(name: str, w: MixedWorkload, decode_prompts: PromptSet,
                 i = 0
                 while not stop.is_set():
                     n = offset + user * 10_000 + i
-                    body = request_body(decode_prompts.body(n), "demo", w.decoder_tokens,
-                                        True, "chat")
+                    body = target.request_body(decode_prompts.body(n), "demo", w.decoder_tokens,
+                                               True, "chat")
                     decodes.append(await stream_once(session, chat, body, {}, Sample(index=n)))
                     i += 1
             users = [asyncio.ensure_future(decoder(u)) for u in range(w.decoders)]
             await asyncio.sleep(1.0)            # the decoders are mid-stream when longs come
-            longs = await measure(
-                session, chat, {}, lambda i: request_body(
+            longs = await target.measure(
+                session, chat, {}, lambda i: target.request_body(
                     long_prompts.body(offset + i), "demo", w.long_tokens, True, "chat"),
                 requests=w.long_requests, warmup=0, rate=w.rate, seed=w.seed,
                 label=f"{name} (long prompts)")

@@ -39,18 +39,9 @@ from dataclasses import asdict, dataclass
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy.bench import target
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import fmt, reduction, summarize
-from prefixgate.proxy.bench.target import (
-    cell_record,
-    client_session,
-    engines_config,
-    given,
-    measure,
-    request_body,
-    run_demo_scenario,
-    start_engines,
-)
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.doctor import scrape as pm
 
@@ -175,8 +166,9 @@ def parse_workload(args) -> Workload:
     w = Workload()
     if args.quick:
         w.requests, w.rounds = 30, 1
-    w = given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
-              seed=args.seed, rounds=args.rounds, policy=args.policy, think_ms=args.think_ms)
+    w = target.given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
+                     seed=args.seed, rounds=args.rounds, policy=args.policy,
+                     think_ms=args.think_ms)
     if args.concurrency:
         w.concurrency = args.concurrency[0]
     if args.tiers:
@@ -187,8 +179,8 @@ def parse_workload(args) -> Workload:
 def run_seed(args) -> int:
     w = parse_workload(args)
     stages = [s for s in STAGES if not args.stages or s.name.lstrip("+") in args.stages]
-    return run_demo_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
-                             print_staircase)
+    return target.run_demo_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
+                                    print_staircase)
 
 
 async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
@@ -220,23 +212,24 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
     """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
     put a gateway with the stage's plugins in front, measure, stop everything."""
     roles = stage.roles(w)
-    engines = await start_engines(roles, stage.engine_args(w), w.engine_threads, launcher)
-    raw = engines_config(engines, roles, stage.plugins(w), timeout)
+    engines = await target.start_engines(roles, stage.engine_args(w), w.engine_threads, launcher)
+    raw = target.engines_config(engines, roles, stage.plugins(w), timeout)
     runner = None
     try:
         gateway = Gateway(config_mod.validate(raw))
         runner, url = await start_app(gateway.make_app(), "127.0.0.1", 0)
-        async with client_session(timeout) as session:
+        async with target.client_session(timeout) as session:
             def body(i: int, start: int = offset) -> dict:
-                return request_body(prompts.body(start + i), "demo", w.max_tokens, True, "chat")
+                return target.request_body(prompts.body(start + i), "demo", w.max_tokens, True,
+                                           "chat")
             # each tenant's first, cold visit, all answered before the users start (a
             # production cache is warm in steady state; the scheduler would serve these
             # cold prefills after the cache hits that keep arriving)
             prime = min(w.tenants, w.warmup)
-            primed = await measure(session, url + "/v1/chat/completions", {}, body, requests=0,
-                                   warmup=prime, concurrency=w.concurrency,
-                                   label=f"{stage.name} (prime)")
-            samples = await measure(
+            primed = await target.measure(session, url + "/v1/chat/completions", {}, body,
+                                          requests=0, warmup=prime, concurrency=w.concurrency,
+                                          label=f"{stage.name} (prime)")
+            samples = await target.measure(
                 session, url + "/v1/chat/completions", {},
                 lambda i: body(i, offset + prime), requests=w.requests,
                 warmup=w.warmup - prime, concurrency=w.concurrency,
@@ -260,8 +253,9 @@ def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dic
     """A stage's archive cell: latencies over the pooled samples of its rounds, throughput
     as the mean of the rounds' (each round has its own clock), engine/route stats summed."""
     samples = [s for run in runs for s in run["samples"]]
-    cell = cell_record(stage.name, {"stage": asdict(stage), "engine_args": stage.engine_args(w),
-                                    "gateway": runs[0]["gateway"]}, samples, slo_s)
+    cell = target.cell_record(stage.name, {"stage": asdict(stage),
+                                           "engine_args": stage.engine_args(w),
+                                           "gateway": runs[0]["gateway"]}, samples, slo_s)
     rounds = [summarize(run["samples"], slo_s) for run in runs]
     for key in ("req_per_s", "out_tok_per_s", "goodput_req_per_s"):
         values = [r[key] for r in rounds if r[key] is not None]
