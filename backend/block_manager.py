@@ -71,7 +71,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: next out
+        # front: the next block out
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}       # block hash -> block id
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which were served from it (or the tier)
@@ -108,11 +109,13 @@ class BlockManager:
                 break
             block = self.blocks[bid]
             if block.parent_hash != parent or block.token_ids != token_ids:
-                return PrefixMatch(hits, 0, bs)   # a hash collision: never serve KV computed for other tokens
+                # a hash collision: never serve KV computed for other tokens
+                return PrefixMatch(hits, 0, bs)
             hits.append(bid)
         in_tier = 0
         if self.tier is not None:
-            while len(hits) + in_tier < usable and self.tier.holds(*self._block_key(seq, len(hits) + in_tier)):
+            while (len(hits) + in_tier < usable
+                   and self.tier.holds(*self._block_key(seq, len(hits) + in_tier))):
                 in_tier += 1
         return PrefixMatch(hits, in_tier, bs)
 
@@ -225,7 +228,8 @@ class BlockManager:
     def _pop_free(self) -> int:
         bid, _ = self.free_queue.popitem(last=False)
         if self.tier is not None:
-            self.tier.wait_store(bid)            # its copy into the tier must end before new KV lands
+            # its copy into the tier must end before new KV lands
+            self.tier.wait_store(bid)
         block = self.blocks[bid]
         if block.hash is not None:               # evict it from the prefix cache
             if self.cached.get(block.hash) == bid:

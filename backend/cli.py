@@ -12,11 +12,18 @@ import logging
 import os
 import sys
 
-from prefixgate.backend.config import (DEFAULT_MAX_TOKENS, LOAD_FORMATS, ROLES, EngineArgs,
-                                       KVEventsConfig, ServerArgs, SpeculativeConfig,
-                                       parse_kv_events_config, parse_speculative_config)
-from prefixgate.backend.loader import (MANIFEST_NAMES, WeightError, verify_weights,
-                                       write_manifest)
+from prefixgate.backend.config import (
+    DEFAULT_MAX_TOKENS,
+    LOAD_FORMATS,
+    ROLES,
+    EngineArgs,
+    KVEventsConfig,
+    ServerArgs,
+    SpeculativeConfig,
+    parse_kv_events_config,
+    parse_speculative_config,
+)
+from prefixgate.backend.loader import MANIFEST_NAMES, WeightError, verify_weights, write_manifest
 from prefixgate.backend.server import serve_forever
 from prefixgate.backend.warmup import WarmupError
 from prefixgate.common import tracing

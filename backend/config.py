@@ -28,11 +28,11 @@ NULL = type(None)
 
 METHODS = ("ngram",)
 DEFAULT_PROMPT_LOOKUP = 5       # vLLM's prompt_lookup_min and _max when neither is given
-# Defaults, from `python -m prefixgate.backend.bench.speculative --sweep` on the README's 2-core
-# CPU: drafting quoted text still paid at batch 64 (1.18x), so no batch cap (vLLM's default
-# too): the break-even bar already rises with the batch; free text broke even at an acceptance
-# rate of 0.06 at batch 1, the floor sits just above it for the steps before the cost fit has
-# seen drafted steps.
+# Defaults, from `python -m prefixgate.backend.bench.speculative --sweep` on the 2-core CPU of
+# docs/engine.md's figures ("Measured: speculative decoding"): drafting quoted text still paid
+# at batch 64 (1.18x), so no batch cap (vLLM's default too): the break-even bar already rises
+# with the batch; free text broke even at an acceptance rate of 0.06 at batch 1, the floor sits
+# just above it for the steps before the cost fit has seen drafted steps.
 DEFAULT_DISABLE_BY_BATCH_SIZE: int | None = None
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 

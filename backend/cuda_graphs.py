@@ -27,15 +27,18 @@ from prefixgate.backend.attention import AttentionMetadata
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = {b for b in (1, 2, 4) if b <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
+    sizes = ({b for b in (1, 2, 4) if b <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+             | {max_num_seqs})
     return sorted(sizes)
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, kv_caches, *, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 attention_backend: str | None = None, batch_sizes: list[int] | None = None):
+    def __init__(self, model, kv_caches, *, block_size: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, attention_backend: str | None = None,
+                 batch_sizes: list[int] | None = None):
         if attention_backend == "torch":
-            raise ValueError("CUDA graphs need the Triton attention kernels (attention_backend torch syncs the host)")
+            raise ValueError("CUDA graphs need the Triton attention kernels "
+                             "(attention_backend torch syncs the host)")
         device = kv_caches[0][0].device
         if device.type != "cuda":
             raise ValueError("CUDA graphs need the KV cache on a CUDA device")
@@ -52,10 +55,12 @@ class DecodeGraphRunner:
         self._capture_all()
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
-                                 seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[:b + 1],
-                                 max_seq_len=self.block_tables.shape[1] * self.block_size, is_decode=True,
-                                 attention_backend="triton")
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:b],
+                                 block_tables=self.block_tables[:b],
+                                 seq_lens=self.seq_lens[:b],
+                                 query_start_loc=self.query_start_loc[:b + 1],
+                                 max_seq_len=self.block_tables.shape[1] * self.block_size,
+                                 is_decode=True, attention_backend="triton")
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -84,7 +89,8 @@ class DecodeGraphRunner:
                 and meta.block_tables.shape[1] <= self.block_tables.shape[1])
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         b = next(s for s in self.batch_sizes if s >= n)
         w = meta.block_tables.shape[1]

@@ -105,7 +105,8 @@ def write_tokenizer_files(
         "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # --- the demo model --------------------------------------------------------------------------
@@ -132,7 +133,8 @@ DEMO_SPEC = {
 def corpus_texts() -> list[str]:
     """The tokenizer's training text, kept in the package (backend/data/*.txt), in name order."""
     files = sorted(
-        (f for f in resources.files("prefixgate.backend").joinpath("data").iterdir() if f.name.endswith(".txt")),
+        (f for f in resources.files("prefixgate.backend").joinpath("data").iterdir()
+         if f.name.endswith(".txt")),
         key=lambda f: f.name,
     )
     return [f.read_text(encoding="utf-8") for f in files]
@@ -179,7 +181,8 @@ def build_demo_model(out: str | Path) -> None:
     out = Path(out)
     spec = DEMO_SPEC
     tok = train_bpe_tokenizer(_paragraphs(corpus_texts()), spec["vocab_target"])
-    vocab_size = -(-tok.get_vocab_size() // 64) * 64  # pad rows to a multiple of 64, as real models do
+    # pad rows to a multiple of 64, as real models do
+    vocab_size = -(-tok.get_vocab_size() // 64) * 64
     eos_id = tok.token_to_id("<|im_end|>")
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -207,7 +210,8 @@ def build_demo_model(out: str | Path) -> None:
         "use_cache": True,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id}, indent=2) + "\n")
     write_tokenizer_files(out, tok, model_max_length=spec["max_position_embeddings"])
     _write_random_weights(out / "model.safetensors", config, spec)
     from prefixgate.backend.loader import write_manifest
@@ -222,15 +226,17 @@ def _write_random_weights(path: Path, config: dict, spec: dict) -> None:
     from prefixgate.backend.models import LlamaConfig, build_model
 
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in build_model(LlamaConfig.from_dict(config)).named_parameters()}
+        meta_model = build_model(LlamaConfig.from_dict(config))
+        shapes = {n: tuple(p.shape) for n, p in meta_model.named_parameters()}
     gen = torch.Generator().manual_seed(spec["seed"])
-    # GPT-2 style: residual-branch outputs shrink with depth so activations stay O(1) through the stack.
+    # GPT-2 style: residual-branch outputs shrink with depth so activations stay O(1) in the stack.
     residual_std = spec["init_std"] / (2 * spec["num_hidden_layers"]) ** 0.5
     tensors = {}
     for name in sorted(shapes):
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shapes[name])
             continue
-        std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else spec["init_std"]
+        residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+        std = residual_std if residual else spec["init_std"]
         tensors[name] = torch.randn(shapes[name], generator=gen) * std
     save_file(tensors, str(path), metadata={"format": "pt"})

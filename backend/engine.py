@@ -26,15 +26,19 @@ import torch
 from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.config import EngineArgs, check_kv_offloading
-from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.backend.kv_events import KVEventPublisher, KVEventSink
-from prefixgate.backend.model_runner import (KV_CACHE_DTYPES, ModelRunner, kv_block_bytes,
-                                             parse_bytes)
+from prefixgate.backend.model_runner import (
+    KV_CACHE_DTYPES,
+    ModelRunner,
+    kv_block_bytes,
+    parse_bytes,
+)
 from prefixgate.backend.sampling import SamplingParams, find_stop_string
 from prefixgate.backend.scheduler import Scheduler, SchedulerConfig
 from prefixgate.backend.sequence import Sequence
 from prefixgate.backend.spec_decode import Speculator
 from prefixgate.backend.warmup import WarmupError, WarmupReport, warm_up
+from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.common.runtime import cancel_and_wait
 from prefixgate.common.schema import ConfigError
 
@@ -69,7 +73,8 @@ class _Request:
     text: str = ""
     sent: int = 0                     # characters of `text` already emitted
     token_ids: list[int] = field(default_factory=list)
-    fill: object = None               # for a sequence arriving with its KV: writes it, on the engine thread
+    # for a sequence arriving with its KV: writes it, on the engine thread
+    fill: object = None
 
 
 class LLMEngine:
@@ -83,7 +88,8 @@ class LLMEngine:
         self.model_dir = _resolve_model_dir(args.model)
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype, device=self.device,
+        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype,
+                                                   device=self.device,
                                                    load_format=args.load_format)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self._decoder_cls = IncrementalDecoder
@@ -91,8 +97,8 @@ class LLMEngine:
             "demo" if args.model == "demo" else self.model_dir.name)
         kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks(kv_dtype)
-        self.max_model_len = min(self.model_config.max_position_embeddings, num_blocks * args.block_size,
-                                 args.max_model_len or 1 << 62)
+        self.max_model_len = min(self.model_config.max_position_embeddings,
+                                 num_blocks * args.block_size, args.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         config = self._scheduler_config()
@@ -101,15 +107,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, block_size=args.block_size,
                                   num_blocks=num_blocks, kv_cache_dtype=kv_dtype,
                                   attention_backend=args.attention_backend,
-                                  use_cuda_graphs=not args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                  use_cuda_graphs=not args.enforce_eager,
+                                  max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.max_model_len)
         self.kv_tier = self.block_manager.tier = self._kv_tier()
         self.requests: dict[str, _Request] = {}
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()
         self._aborts: deque[str] = deque()
         self._releases: deque[str] = deque()       # transfer ids whose held KV blocks to free
-        self.kv_events = self._kv_events()         # last: nothing after it can fail and leave it bound
-        log.info("engine ready: %s on %s (weights: %s), %d KV blocks of %d tokens, max_model_len %d",
+        # last: nothing after it can fail and leave it bound
+        self.kv_events = self._kv_events()
+        log.info("engine ready: %s on %s (weights: %s), %d KV blocks of %d tokens, "
+                 "max_model_len %d",
                  self.model_dir, self.device, args.load_format, num_blocks, args.block_size,
                  self.max_model_len)
 
@@ -117,7 +126,8 @@ class LLMEngine:
         a = self.args
         if not a.kv_offloading_size:
             return None
-        return kv_tier.KVTier(self.runner.kv_caches, a.block_size, a.kv_offloading_size, a.kv_offloading_path)
+        return kv_tier.KVTier(self.runner.kv_caches, a.block_size, a.kv_offloading_size,
+                              a.kv_offloading_path)
 
     def _kv_events(self) -> KVEventPublisher | None:
         """The publisher `--kv-events-config` asks for, its sink given to the block manager and
@@ -126,8 +136,8 @@ class LLMEngine:
         if config is None or not config.publishes:
             return None
         if not self.args.enable_prefix_caching:
-            log.warning("--kv-events-config: with --no-prefix-caching no block is ever cached: no KV event "
-                        "will be published")
+            log.warning("--kv-events-config: with --no-prefix-caching no block is ever cached: "
+                        "no KV event will be published")
         try:
             publisher = KVEventPublisher(config)
         except ConfigError as e:       # the endpoint cannot be bound (in use, ...)
@@ -164,7 +174,8 @@ class LLMEngine:
         if overhead is None:    # a CPU step's fixed cost (weights streamed once, Python) is
             overhead = 0 if cuda else 32    # ~30 tokens of compute, whatever the model's size
         return SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=a.max_num_seqs,
-                               max_num_batched_tokens=budget, enable_chunked_prefill=a.enable_chunked_prefill,
+                               max_num_batched_tokens=budget,
+                               enable_chunked_prefill=a.enable_chunked_prefill,
                                long_prefill_token_threshold=a.long_prefill_token_threshold,
                                step_overhead_tokens=overhead)
 
@@ -180,7 +191,8 @@ class LLMEngine:
         else:
             budget = DEFAULT_CPU_KV_MEMORY
         if budget < per_block:
-            raise ValueError(f"KV cache budget of {budget} bytes is less than one block ({per_block} bytes)")
+            raise ValueError(f"KV cache budget of {budget} bytes is less than one block "
+                             f"({per_block} bytes)")
         return budget // per_block
 
     # --- called from the event loop thread --------------------------------------------------
@@ -213,7 +225,8 @@ class LLMEngine:
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
                 "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
                 "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
-                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats(), **self._kv_events_stats()}
+                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats(),
+                **self._kv_events_stats()}
 
     def _kv_events_stats(self) -> dict:
         """The KV event publisher's counters; none when it is off."""
@@ -335,7 +348,8 @@ def _resolve_model_dir(model: str) -> Path:
         return Path(ensure_demo_model())
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); use --model DIR or --model demo")
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); "
+                                f"use --model DIR or --model demo")
     return path
 
 
@@ -349,7 +363,7 @@ def _config_eos(config) -> set[int]:
 class RequestStream:
     """Async iterator over one request's outputs; `close()` aborts it unless it finished."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str):
+    def __init__(self, engine: AsyncEngine, request_id: str):
         self._engine = engine
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()

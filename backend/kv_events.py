@@ -20,7 +20,8 @@ Wire, as vLLM's ZmqEventPublisher: every batch is one 3-frame message
 and the payload is a msgpack ARRAY (vLLM's msgspec `array_like=True` KVEventBatch)
     [ts (float, time.time()), events (list), data_parallel_rank (int, always 0)]
 each event an array: its tag (vLLM's class name), then its fields in declaration order:
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+     lora_name]
     ["BlockRemoved", block_hashes, medium]
 `block_hashes` are the prefix cache's own chained xxh64 hashes (unsigned 64-bit ints);
 `parent_block_hash` is the hash of the block before the first, None for a sequence's first
@@ -32,10 +33,11 @@ whatever the device (vLLM's name for its primary cache) and "CPU" for the second
 Which vLLM: the array layout of vLLM from #27577 (late 2025, after 0.11), which appended
 `lora_name` after `medium` (0.10 and 0.11 end BlockStored at `medium`), up to #42892 (June
 2026), after which vLLM encodes each event as a map tagged by "type". We emit the array
-layout, which is what the issue asks for and what llm-d's indexer decodes; with `lora_name`,
-because llm-d's current decoder rejects a BlockStored without it, while decoders of the
-0.10/0.11 layout ignore a trailing field (msgspec skips extra trailing array elements). vLLM's later optional fields (extra_keys, group_idx, ...)
-are left out: they have defaults, so no array-like decoder needs them.
+layout, which is what llm-d's indexer decodes; with `lora_name`, because llm-d's current
+decoder rejects a BlockStored without it, while decoders of the 0.10/0.11 layout ignore a
+trailing field (msgspec skips extra trailing array elements). vLLM's later optional fields
+(extra_keys, group_idx, ...) are left out: they have defaults, so no array-like decoder needs
+them.
 
 Replay: a client (a DEALER) sends a request whose last frame is an 8-byte big-endian start
 sequence number; the ROUTER answers, for every buffered batch with seq >= start, oldest first,
@@ -109,8 +111,8 @@ class BlockStored:
     lora_name: str | None
 
     def wire(self) -> list:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                self.lora_id, self.medium, self.lora_name]
+        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
+                self.block_size, self.lora_id, self.medium, self.lora_name]
 
 
 @dataclass(slots=True)
@@ -147,8 +149,8 @@ class KVEventSink:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:
-            self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size,
-                                           None, medium, None))
+            self.events.append(BlockStored([block_hash], parent_hash, list(token_ids),
+                                           self.block_size, None, medium, None))
 
     def removed(self, block_hash: int, medium: str) -> None:
         last = self.events[-1] if self.events else None
@@ -178,13 +180,14 @@ class KVEventPublisher:
     """The PUB socket (and the replay ROUTER) with the thread that feeds them."""
 
     def __init__(self, config: KVEventsConfig):
-        import zmq      # here: recording and encoding events needs no ZMQ
+        import zmq  # here: recording and encoding events needs no ZMQ
 
         self._zmq = zmq
         self.config = config
         self.stats = KVEventsStats()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)   # (seq, payload)
+        # the latest batches as (seq, payload), kept for replay requests
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode("utf-8")
         self._seqs = itertools.count()
         self._done = threading.Condition()        # counts batches sent or dropped, for flush()
@@ -200,14 +203,15 @@ class KVEventPublisher:
         self._subscribed = threading.Condition()
         self._replay = None
         try:
-            self.endpoint = self._open(self._pub, "endpoint", config.endpoint, bind=binds(config.endpoint))
+            self.endpoint = self._open(self._pub, "endpoint", config.endpoint,
+                                       bind=binds(config.endpoint))
             self.replay_endpoint = None
             if config.replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 # a whole replay is queued at once: room for the buffer and the end marker
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
-                self.replay_endpoint = self._open(self._replay, "replay_endpoint", config.replay_endpoint,
-                                                  bind=True)
+                self.replay_endpoint = self._open(self._replay, "replay_endpoint",
+                                                  config.replay_endpoint, bind=True)
         except ConfigError:
             self._close_sockets()
             raise
@@ -244,7 +248,8 @@ class KVEventPublisher:
             self.stats.dropped_batches += 1
             if self.stats.dropped_batches % 1000 == 1:
                 log.warning("KV events: the publisher fell %d batches behind; dropped batch %d "
-                            "(%d dropped so far)", self.config.max_queue_size, seq, self.stats.dropped_batches)
+                            "(%d dropped so far)", self.config.max_queue_size, seq,
+                            self.stats.dropped_batches)
             self._finish_one()
 
     def wait_for_subscriptions(self, count: int, timeout: float = _CLOSE_TIMEOUT_S) -> bool:
@@ -335,8 +340,8 @@ class KVEventPublisher:
 
     def _replay_from(self, client: bytes, start: bytes) -> None:
         if len(start) != 8:
-            log.warning("KV events: a replay request's last frame must be an 8-byte start seq, got %d bytes",
-                        len(start))
+            log.warning("KV events: a replay request's last frame must be an 8-byte start seq, "
+                        "got %d bytes", len(start))
             return
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):

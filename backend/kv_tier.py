@@ -79,7 +79,7 @@ class KVTier:
         self.kv_caches = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
         self.device = kv_caches[0][0].device
         self.block_size = block_size
-        slot_shape = (len(kv_caches), 2, *self.kv_caches[0][0].shape[1:])    # layers, K/V, one block
+        slot_shape = (len(kv_caches), 2, *self.kv_caches[0][0].shape[1:])  # layers, K/V, a block
         slot_bytes = math.prod(slot_shape)
         self.num_slots = int(size_gib * GIB) // slot_bytes
         if self.num_slots < 1:
@@ -91,7 +91,8 @@ class KVTier:
             self.stream = torch.cuda.Stream(self.device)
             where = "pinned host memory"
             if path is not None:
-                log.warning("--kv-offloading-path is not used on CUDA: the tier is pinned host memory")
+                log.warning("--kv-offloading-path is not used on CUDA: "
+                            "the tier is pinned host memory")
         else:
             directory = path or tempfile.gettempdir()
             self.pool = _mapped_file(shape, directory)
@@ -111,7 +112,8 @@ class KVTier:
 
     def holds(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
         entry = self.index.get(block_hash)
-        return entry is not None and entry.parent_hash == parent_hash and entry.token_ids == token_ids
+        return (entry is not None and entry.parent_hash == parent_hash
+                and entry.token_ids == token_ids)
 
     # --- stores: engine thread queues, the worker copies ------------------------------------
 
@@ -135,7 +137,8 @@ class KVTier:
             self.index[block.hash] = entry
             items.append((block.block_id, entry))
         ready = None
-        if self.stream is not None:     # the blocks' KV is complete once the compute stream gets here
+        # the blocks' KV is complete once the compute stream gets here
+        if self.stream is not None:
             ready = torch.cuda.current_stream(self.device).record_event()
         copy = self._worker.submit(self._copy_out, items, ready)
         for block_id, entry in items:
@@ -168,7 +171,8 @@ class KVTier:
         try:
             if self.stream is not None:
                 self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):        # None (CPU): the current thread, synchronously
+            # None (CPU): the current thread, synchronously
+            with torch.cuda.stream(self.stream):
                 for block_id, entry in items:
                     self._copy(entry.slot, block_id, to_tier=True)
                 done = self.stream.record_event() if self.stream is not None else None
@@ -202,7 +206,8 @@ class KVTier:
         self.stats.hit_tokens += loaded * self.block_size
         return loaded
 
-    def _verified_slot(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+    def _verified_slot(self, block_hash: int, parent_hash: int,
+                       token_ids: tuple[int, ...]) -> int | None:
         """The slot holding this block, its bytes checked; a corrupted entry is dropped."""
         if not self.holds(block_hash, parent_hash, token_ids):
             return None
@@ -212,7 +217,8 @@ class KVTier:
             return entry.slot
         if entry.checksum is not None:
             self.stats.corrupted_blocks += 1
-            log.warning("second KV tier: block %016x failed its checksum; recomputing it", block_hash)
+            log.warning("second KV tier: block %016x failed its checksum; recomputing it",
+                        block_hash)
         del self.index[block_hash]
         self._free_slots.append(entry.slot)
         self._record_removed(block_hash)
@@ -244,7 +250,8 @@ def _pinned(shape: tuple[int, ...], size_gib: float) -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
     except RuntimeError as e:
-        raise ValueError(f"--kv-offloading-size: cannot pin {size_gib:g} GiB of host memory: {e}") from None
+        raise ValueError(f"--kv-offloading-size: cannot pin {size_gib:g} GiB of host memory: "
+                         f"{e}") from None
 
 
 def _mapped_file(shape: tuple[int, ...], directory: str) -> torch.Tensor:
@@ -254,7 +261,8 @@ def _mapped_file(shape: tuple[int, ...], directory: str) -> torch.Tensor:
     try:
         fd, name = tempfile.mkstemp(prefix=FILE_PREFIX, suffix=".bin", dir=directory)
     except OSError as e:
-        raise ValueError(f"--kv-offloading-path: {directory}: not writable ({e.strerror})") from None
+        raise ValueError(f"--kv-offloading-path: {directory}: not writable "
+                         f"({e.strerror})") from None
     try:
         try:
             os.posix_fallocate(fd, 0, size)

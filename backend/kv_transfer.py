@@ -88,7 +88,8 @@ class RemotePrefill:
 
 
 def parse_params(body: dict) -> RemoteDecode | RemotePrefill | None:
-    """A request's `kv_transfer_params`; None for a plain request. Bad fields are a 400 naming them."""
+    """A request's `kv_transfer_params`; None for a plain request. Bad fields are a 400 naming
+    them."""
     p = body.get("kv_transfer_params")
     if p is None:
         return None
@@ -96,8 +97,8 @@ def parse_params(body: dict) -> RemoteDecode | RemotePrefill | None:
         raise _bad("kv_transfer_params", "an object", p)
     decode, prefill = _flag(p, "do_remote_decode"), _flag(p, "do_remote_prefill")
     if decode and prefill:
-        raise HTTPError(400, "'kv_transfer_params': do_remote_decode and do_remote_prefill cannot both be true",
-                        code="invalid_value")
+        raise HTTPError(400, "'kv_transfer_params': do_remote_decode and do_remote_prefill "
+                        "cannot both be true", code="invalid_value")
     if decode:
         return RemoteDecode()
     if not prefill:
@@ -109,7 +110,8 @@ def parse_params(body: dict) -> RemoteDecode | RemotePrefill | None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise _bad("remote_port", "a port number (1..65535)", port)
     ids = p.get("remote_block_ids")
-    if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+    if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool)
+                                            for b in ids):
         raise _bad("remote_block_ids", "a list of integers", ids)
     n = p.get("num_tokens")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
@@ -134,7 +136,8 @@ def _string(p: dict, name: str) -> str:
 
 def _bad(name: str, what: str, value) -> HTTPError:
     field = name if name == "kv_transfer_params" else f"kv_transfer_params.{name}"
-    return HTTPError(400, f"'{field}' must be {what}, got {json.dumps(value)[:80]}", code="invalid_value")
+    return HTTPError(400, f"'{field}' must be {what}, got {json.dumps(value)[:80]}",
+                     code="invalid_value")
 
 
 # --- shared ------------------------------------------------------------------------------------
@@ -166,7 +169,8 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[bytes, int]:
 async def _read_json(reader: asyncio.StreamReader) -> dict:
     kind, n = await _read_frame(reader)
     if kind != b"J" or n > MAX_CONTROL_BYTES:
-        raise KVTransferError("kv_protocol_error", f"expected a control frame, got {kind!r} of {n} bytes")
+        raise KVTransferError("kv_protocol_error",
+                              f"expected a control frame, got {kind!r} of {n} bytes")
     msg = json.loads(await reader.readexactly(n))
     if not isinstance(msg, dict):
         raise KVTransferError("kv_protocol_error", "a control frame is not a JSON object")
@@ -274,20 +278,23 @@ class KVTransfer:
         num_blocks = -(-n // self.core.args.block_size)
         timer = asyncio.get_running_loop().call_later(self.timeout, self._expire, tid)
         self._holds[tid] = _Hold(seq, num_blocks, prompt_hash(seq.token_ids[:n]), timer)
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                "remote_block_ids": seq.block_table[:num_blocks], "remote_host": self._advertised_host(),
-                "remote_port": self.port, "remote_request_id": tid, "transfer_id": tid, "num_tokens": n,
-                "tp_size": 1}
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_block_ids": seq.block_table[:num_blocks],
+                "remote_host": self._advertised_host(), "remote_port": self.port,
+                "remote_request_id": tid, "transfer_id": tid, "num_tokens": n, "tp_size": 1}
 
     def settle(self, tid: str) -> None:
-        """Leg 1's handler is done: blocks it did not hand over (the client left) are freed now."""
+        """Leg 1's handler is done: blocks it did not hand over (the client left) are freed
+        now."""
         if tid not in self._holds:
             self.engine.release_kv(tid)
 
     def _expire(self, tid: str) -> None:
         if self._holds.pop(tid, None) is not None:
             self.stats.expired += 1
-            log.info("KV transfer %s expired after %.1fs without a pull; blocks freed", tid, self.timeout)
+            log.info("KV transfer %s expired after %.1fs without a pull; blocks freed",
+                     tid, self.timeout)
             self.engine.release_kv(tid)
 
     def _advertised_host(self) -> str:
@@ -312,11 +319,13 @@ class KVTransfer:
             sent = await self._send_blocks(writer, hold, msg["first_block"])
             done = await asyncio.wait_for(_read_json(reader), self.timeout)
             if done.get("op") != "done":
-                raise KVTransferError("kv_protocol_error", f"expected 'done', got {done.get('op')!r}")
+                raise KVTransferError("kv_protocol_error",
+                                      f"expected 'done', got {done.get('op')!r}")
             self.stats.served += 1
             self.stats.bytes_sent += sent
             self.stats.seconds_sent += time.monotonic() - t0
-        except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError, ValueError, KVTransferError) as e:
+        except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError, ValueError,
+                KVTransferError) as e:
             if hold is not None:
                 self.stats.failed += 1
             log.warning("KV transfer %s: the pull failed: %s: %s", tid, type(e).__name__, e)
@@ -332,22 +341,28 @@ class KVTransfer:
         if not isinstance(msg.get("transfer_id"), str):
             return "kv_protocol_error", "transfer_id must be a string"
         if msg.get("engine_id") != self.engine_id:
-            return "kv_transfer_not_found", (f"the KV server at {self.host}:{self.port} is engine "
-                                             f"{self.engine_id}, not {msg.get('engine_id')} (restarted?)")
+            return "kv_transfer_not_found", (
+                f"the KV server at {self.host}:{self.port} is engine "
+                f"{self.engine_id}, not {msg.get('engine_id')} (restarted?)")
         hold = self._holds.get(msg.get("transfer_id"))
         if hold is None:
-            return "kv_transfer_not_found", (f"no KV is held for transfer {msg.get('transfer_id')!r}: "
-                                             f"unknown, already pulled, or expired after {self.timeout:g}s")
+            return "kv_transfer_not_found", (
+                f"no KV is held for transfer {msg.get('transfer_id')!r}: "
+                f"unknown, already pulled, or expired after {self.timeout:g}s")
         theirs = msg.get("layout") or {}
-        diff = [f"{k} {v} here, {theirs.get(k)} there" for k, v in self.layout.items() if theirs.get(k) != v]
+        diff = [f"{k} {v} here, {theirs.get(k)} there" for k, v in self.layout.items()
+                if theirs.get(k) != v]
         if diff:
             return "kv_layout_mismatch", "the engines' KV caches differ: " + "; ".join(diff)
-        if msg.get("num_tokens") != hold.seq.num_prompt_tokens or msg.get("prompt_hash") != hold.prompt_hash:
-            return "kv_prompt_mismatch", (f"the prompt differs from leg 1's ({msg.get('num_tokens')} tokens "
-                                          f"vs {hold.seq.num_prompt_tokens}): leg 2 must send leg 1's prompt")
+        if (msg.get("num_tokens") != hold.seq.num_prompt_tokens
+                or msg.get("prompt_hash") != hold.prompt_hash):
+            return "kv_prompt_mismatch", (
+                f"the prompt differs from leg 1's ({msg.get('num_tokens')} tokens "
+                f"vs {hold.seq.num_prompt_tokens}): leg 2 must send leg 1's prompt")
         first = msg.get("first_block")
         if not isinstance(first, int) or not 0 <= first < hold.num_blocks:
-            return "kv_protocol_error", f"first_block must be in [0, {hold.num_blocks}), got {first!r}"
+            return "kv_protocol_error", (f"first_block must be in [0, {hold.num_blocks}), "
+                                         f"got {first!r}")
         return None
 
     async def _send_blocks(self, writer: asyncio.StreamWriter, hold: _Hold, first: int) -> int:
@@ -375,13 +390,15 @@ class KVTransfer:
         stream (scheduled as a decode) and the seconds the pull took. Raises HTTPError (nothing
         has been sent to the client yet); on any failure the blocks taken are freed."""
         if remote.num_tokens is not None and remote.num_tokens != len(ids):
-            raise HTTPError(400, f"'kv_transfer_params.num_tokens' is {remote.num_tokens} but the prompt has "
-                            f"{len(ids)} tokens: leg 2 must send leg 1's prompt", code="kv_prompt_mismatch")
+            raise HTTPError(400, f"'kv_transfer_params.num_tokens' is {remote.num_tokens} but the "
+                            f"prompt has {len(ids)} tokens: leg 2 must send leg 1's prompt",
+                            code="kv_prompt_mismatch")
         seq = Sequence(ids, params, request_id or self.engine.new_request_id())
         t0 = time.monotonic()
         try:
             if not await self.engine.call(_reserve, self.core.block_manager, seq):
-                raise HTTPError(503, f"no free KV blocks for the {len(ids)}-token transferred prompt",
+                raise HTTPError(503,
+                                f"no free KV blocks for the {len(ids)}-token transferred prompt",
                                 code="kv_cache_full")
             first = seq.num_cached_tokens // self.core.args.block_size
             staged = await asyncio.wait_for(self._fetch(remote, seq, first), self.timeout)
@@ -394,25 +411,34 @@ class KVTransfer:
             if isinstance(e, KVTransferError):
                 raise e.http() from None
             if isinstance(e, TimeoutError):
-                raise KVTransferError("kv_transfer_failed", f"the pull from {remote.host}:{remote.port} "
-                                      f"took over {self.timeout:g}s").http() from None
+                raise KVTransferError(
+                    "kv_transfer_failed",
+                    f"the pull from {remote.host}:{remote.port} took over {self.timeout:g}s",
+                ).http() from None
             if isinstance(e, (OSError, EOFError, asyncio.IncompleteReadError, ValueError)):
-                raise KVTransferError("kv_transfer_failed", f"the prefill engine's KV server at "
-                                      f"{remote.host}:{remote.port} failed: {type(e).__name__}: {e}").http() from None
+                raise KVTransferError(
+                    "kv_transfer_failed",
+                    f"the prefill engine's KV server at {remote.host}:{remote.port} failed: "
+                    f"{type(e).__name__}: {e}",
+                ).http() from None
             raise
         elapsed = time.monotonic() - t0
         self.stats.pulled += 1
         self.stats.bytes_received += staged.nbytes
         self.stats.seconds_pulled += elapsed
-        seq.num_cached_tokens = len(ids) - 1     # not computed here (vLLM counts external KV as cached)
-        return self.engine.generate_prefilled(seq, _filler(self.core.runner, seq, first, staged)), elapsed
+        # not computed here (vLLM counts external KV as cached)
+        seq.num_cached_tokens = len(ids) - 1
+        fill = _filler(self.core.runner, seq, first, staged)
+        return self.engine.generate_prefilled(seq, fill), elapsed
 
     async def _fetch(self, remote: RemotePrefill, seq: Sequence, first: int) -> torch.Tensor:
         """[layers, layer_bytes] uint8 on the CPU: blocks [first:] of the prompt, K then V."""
         reader, writer = await asyncio.open_connection(remote.host, remote.port, limit=READ_LIMIT)
         try:
-            _write_json(writer, {"op": "pull", "version": PROTOCOL_VERSION, "transfer_id": remote.transfer_id,
-                                 "engine_id": remote.engine_id, "first_block": first, "num_tokens": len(seq),
+            _write_json(writer, {"op": "pull", "version": PROTOCOL_VERSION,
+                                 "transfer_id": remote.transfer_id,
+                                 "engine_id": remote.engine_id, "first_block": first,
+                                 "num_tokens": len(seq),
                                  "prompt_hash": prompt_hash(seq.token_ids), "layout": self.layout})
             await writer.drain()
             head = await _read_json(reader)
@@ -422,15 +448,17 @@ class KVTransfer:
             num_blocks = len(seq.block_table) - first
             layer_bytes = 2 * num_blocks * self.block_bytes
             if head.get("num_blocks") != num_blocks or head.get("layer_bytes") != layer_bytes:
-                raise KVTransferError("kv_protocol_error", f"expected {num_blocks} blocks of {layer_bytes} bytes "
-                                      f"a layer, the prefill engine offers {head.get('num_blocks')} / "
-                                      f"{head.get('layer_bytes')}")
+                raise KVTransferError("kv_protocol_error",
+                                      f"expected {num_blocks} blocks of {layer_bytes} bytes "
+                                      f"a layer, the prefill engine offers "
+                                      f"{head.get('num_blocks')} / {head.get('layer_bytes')}")
             staged = torch.empty((self.layout["num_layers"], layer_bytes), dtype=torch.uint8)
             rows = staged.numpy()
             for layer in range(len(rows)):
                 kind, n = await _read_frame(reader)
                 if kind != b"D" or n != layer_bytes:
-                    raise KVTransferError("kv_protocol_error", f"layer {layer}: expected a data frame of "
+                    raise KVTransferError("kv_protocol_error",
+                                          f"layer {layer}: expected a data frame of "
                                           f"{layer_bytes} bytes, got {kind!r} of {n}")
                 await _read_into(reader, rows[layer])
             _write_json(writer, {"op": "done"})

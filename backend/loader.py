@@ -87,7 +87,8 @@ def check_manifest(model_dir: Path, manifest: Path, files: list[Path]) -> list[s
         m = _MANIFEST_LINE.match(line)
         rel = Path(m.group(2)) if m else None
         if rel is None or rel.is_absolute() or ".." in rel.parts:
-            problems.append(f"{manifest.name} line {n} is not '<sha256>  <relative path>': {line!r}")
+            problems.append(f"{manifest.name} line {n} is not '<sha256>  <relative path>': "
+                            f"{line!r}")
             continue
         listed[rel.as_posix()] = m.group(1).lower()
     for rel, want in listed.items():
@@ -95,7 +96,8 @@ def check_manifest(model_dir: Path, manifest: Path, files: list[Path]) -> list[s
         if not path.is_file():
             problems.append(f"{rel} is listed in {manifest.name} but missing")
         elif (got := sha256_file(path)) != want:
-            problems.append(f"sha256 mismatch for {rel}: {manifest.name} says {want}, file has {got}")
+            problems.append(f"sha256 mismatch for {rel}: {manifest.name} says {want}, "
+                            f"file has {got}")
     for f in files:
         if f.relative_to(model_dir).as_posix() not in listed:
             problems.append(f"{f.name} is not listed in {manifest.name}")
@@ -110,13 +112,15 @@ def scan_tensors(files: list[Path], weight_map: dict[str, str] | None) -> tuple[
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     if name in found:
-                        problems.append(f"tensor {name} appears in both {found[name][0].name} and {path.name}")
+                        problems.append(f"tensor {name} appears in both "
+                                        f"{found[name][0].name} and {path.name}")
                     found[name] = (path, tuple(f.get_slice(name).get_shape()))
         except (SafetensorError, OSError) as e:
             problems.append(f"{path.name} is not a readable safetensors file: {e}")
     for name, shard in (weight_map or {}).items():
         if name in found and found[name][0].name != shard:
-            problems.append(f"tensor {name} is in {found[name][0].name}, but {INDEX_NAME} says {shard}")
+            problems.append(f"tensor {name} is in {found[name][0].name}, "
+                            f"but {INDEX_NAME} says {shard}")
     return found, problems
 
 
@@ -136,7 +140,8 @@ def check_tensors(expected: dict[str, tuple], found: dict, config: LlamaConfig) 
 
 def _ignorable(name: str, config: LlamaConfig) -> bool:
     # Tied checkpoints sometimes still store the head; the model uses the embedding instead.
-    return name.endswith(_HARMLESS_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
+    return name.endswith(_HARMLESS_SUFFIXES) or (name == "lm_head.weight"
+                                                 and config.tie_word_embeddings)
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple]:
@@ -163,7 +168,8 @@ class VerifyReport:
     def render(self) -> str:
         lines = [f"model dir: {self.model_dir}"]
         lines += [f"  weight file: {f.name} ({f.stat().st_size:,} bytes)" for f in self.files]
-        lines.append(f"  sha256 manifest: {self.manifest.name if self.manifest else 'none (not checked)'}")
+        manifest = self.manifest.name if self.manifest else "none (not checked)"
+        lines.append(f"  sha256 manifest: {manifest}")
         lines.append(f"  tensors: {self.num_tensors}")
         lines += [f"  PROBLEM: {p}" for p in self.problems]
         lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))")
@@ -202,7 +208,8 @@ def _raise_if(problems: list[str]) -> None:
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, config: LlamaConfig, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, config: LlamaConfig,
+                  device: str | torch.device) -> torch.dtype:
     """Explicit dtype wins; otherwise fp32 on CPU, the checkpoint's half type (or bf16) on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -24,18 +24,21 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats()
-        yield _gauge("prefixgate:num_requests_running", "Requests in the running batch.", s["running"])
-        yield _gauge("prefixgate:num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield _gauge("prefixgate:num_requests_running", "Requests in the running batch.",
+                     s["running"])
+        yield _gauge("prefixgate:num_requests_waiting", "Requests waiting to be scheduled.",
+                     s["waiting"])
         yield _gauge("prefixgate:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
                      s["kv_cache_usage"])
-        yield _counter("prefixgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                       s["prefix_queries"])
-        yield _counter("prefixgate:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                       s["prefix_hits"])
+        yield _counter("prefixgate:prefix_cache_queries",
+                       "Prompt tokens looked up in the prefix cache.", s["prefix_queries"])
+        yield _counter("prefixgate:prefix_cache_hits",
+                       "Prompt tokens served from the prefix cache.", s["prefix_hits"])
         yield _counter("prefixgate:num_preemptions", "Sequences preempted (recomputed later).",
                        s["preemptions"])
         yield _gauge("prefixgate:kv_transfer_held_blocks",
-                     "KV blocks held for a decode engine's pull (prefill side).", s["kv_held_blocks"])
+                     "KV blocks held for a decode engine's pull (prefill side).",
+                     s["kv_held_blocks"])
         yield from _spec_decode_metrics(self.engine.spec_stats())
         yield from _kv_offload_metrics(s)
         yield from _kv_events_metrics(s)
@@ -43,15 +46,20 @@ class _EngineCollector:
         if kv is None:
             return
         for name, doc, value in (
-                ("kv_transfers_served", "Prompt KV pulls this engine answered in full (prefill side).", kv.served),
-                ("kv_transfers_pulled", "Prompt KV pulls this engine made (decode side).", kv.pulled),
+                ("kv_transfers_served",
+                 "Prompt KV pulls this engine answered in full (prefill side).", kv.served),
+                ("kv_transfers_pulled",
+                 "Prompt KV pulls this engine made (decode side).", kv.pulled),
                 ("kv_transfer_failures", "KV pulls that failed (either side).", kv.failed),
-                ("kv_transfer_expired_holds", "Held prompt KV freed by --kv-transfer-timeout, never pulled.",
-                 kv.expired),
+                ("kv_transfer_expired_holds",
+                 "Held prompt KV freed by --kv-transfer-timeout, never pulled.", kv.expired),
                 ("kv_transfer_sent_bytes", "KV bytes sent to decode engines.", kv.bytes_sent),
-                ("kv_transfer_received_bytes", "KV bytes pulled from prefill engines.", kv.bytes_received),
-                ("kv_transfer_send_seconds", "Seconds spent answering pulls (request to 'done').", kv.seconds_sent),
-                ("kv_transfer_pull_seconds", "Seconds spent pulling (connect to last byte).", kv.seconds_pulled)):
+                ("kv_transfer_received_bytes",
+                 "KV bytes pulled from prefill engines.", kv.bytes_received),
+                ("kv_transfer_send_seconds",
+                 "Seconds spent answering pulls (request to 'done').", kv.seconds_sent),
+                ("kv_transfer_pull_seconds",
+                 "Seconds spent pulling (connect to last byte).", kv.seconds_pulled)):
             yield _counter("prefixgate:" + name, doc, value)
 
 
@@ -77,12 +85,13 @@ def _kv_offload_metrics(s: dict):
     exposition (prefixgate:kv_offload_stored_blocks_total ...)."""
     if "kv_offload_usage" not in s:
         return
-    yield _gauge("prefixgate:kv_offload_usage_perc", "Fraction of second KV tier slots in use (0..1).",
-                 s["kv_offload_usage"])
-    for name, doc in (("stored_blocks", "KV blocks copied into the second tier."),
-                      ("loaded_blocks", "KV blocks loaded back from the second tier on a prefix hit."),
-                      ("hit_tokens", "Prompt tokens served from the second tier."),
-                      ("corrupted_blocks", "Second tier blocks that failed their checksum (recomputed).")):
+    yield _gauge("prefixgate:kv_offload_usage_perc",
+                 "Fraction of second KV tier slots in use (0..1).", s["kv_offload_usage"])
+    for name, doc in (
+            ("stored_blocks", "KV blocks copied into the second tier."),
+            ("loaded_blocks", "KV blocks loaded back from the second tier on a prefix hit."),
+            ("hit_tokens", "Prompt tokens served from the second tier."),
+            ("corrupted_blocks", "Second tier blocks that failed their checksum (recomputed).")):
         yield _counter("prefixgate:kv_offload_" + name, doc, s["kv_offload_" + name])
 
 
@@ -92,10 +101,13 @@ def _kv_events_metrics(s: dict):
     if "kv_events_published_batches" not in s:
         return
     for name, key, doc in (
-            ("kv_event_batches_published", "published_batches", "KV event batches sent on the PUB socket."),
-            ("kv_events_published", "published_events", "KV events (BlockStored, BlockRemoved) sent."),
+            ("kv_event_batches_published", "published_batches",
+             "KV event batches sent on the PUB socket."),
+            ("kv_events_published", "published_events",
+             "KV events (BlockStored, BlockRemoved) sent."),
             ("kv_event_batches_dropped", "dropped_batches",
-             "KV event batches dropped: the publisher's queue was full (their seq numbers are skipped).")):
+             "KV event batches dropped: the publisher's queue was full "
+             "(their seq numbers are skipped).")):
         yield _counter("prefixgate:" + name, doc, s["kv_events_" + key])
 
 
@@ -115,18 +127,18 @@ class EngineMetrics:
     def __init__(self, engine: LLMEngine, kv_stats=None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, kv_stats))
-        self.ttft = Histogram("prefixgate:time_to_first_token_seconds",
-                              "Engine arrival (add_request) to first token sampled.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("prefixgate:time_per_output_token_seconds", "Time between output tokens.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("prefixgate:request_queue_time_seconds",
-                               "Engine arrival (add_request) to first scheduled.",
-                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prefill = Histogram("prefixgate:request_prefill_time_seconds",
-                                 "First scheduled to first token sampled.",
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = self._latency("prefixgate:time_to_first_token_seconds",
+                                  "Engine arrival (add_request) to first token sampled.")
+        self.tpot = self._latency("prefixgate:time_per_output_token_seconds",
+                                  "Time between output tokens.")
+        self.queue = self._latency("prefixgate:request_queue_time_seconds",
+                                   "Engine arrival (add_request) to first scheduled.")
+        self.prefill = self._latency("prefixgate:request_prefill_time_seconds",
+                                     "First scheduled to first token sampled.")
         self._last_token: dict[str, float] = {}
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Called after each engine step with its outputs."""

@@ -72,7 +72,8 @@ def kv_block_bytes(model_config, block_size: int, kv_dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, *, block_size: int, num_blocks: int,
                  kv_cache_dtype: torch.dtype, attention_backend: str | None = None,
-                 use_cuda_graphs: bool = True, max_num_seqs: int = 64, max_model_len: int | None = None):
+                 use_cuda_graphs: bool = True, max_num_seqs: int = 64,
+                 max_model_len: int | None = None):
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -104,7 +105,8 @@ class ModelRunner:
         if not sampling:
             return out
         # a drafted sequence needs the rows of its last token and of each draft token
-        rows = [r for i in sampling for r in range(last_rows[i] - len(batch.drafts[i]), last_rows[i] + 1)]
+        rows = [r for i in sampling
+                for r in range(last_rows[i] - len(batch.drafts[i]), last_rows[i] + 1)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         seqs = [batch.seqs[i] for i in sampling]
         for s in seqs:

@@ -16,7 +16,6 @@ from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import parse_json_object
 from prefixgate.common.schema import is_type, json_value, type_name
 
-
 # --- requests ---------------------------------------------------------------------------------
 
 async def json_body(request) -> dict:

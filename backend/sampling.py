@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 _MIN_TEMPERATURE = 1e-5
 
 

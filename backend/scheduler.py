@@ -135,7 +135,8 @@ class Scheduler:
 
     def add_prefilled(self, seq: Sequence) -> None:
         """A sequence whose blocks (allocated) already hold its prompt's KV: only the last prompt
-        token is left to compute, as vLLM does after a remote prefill (that step gives the logits)."""
+        token is left to compute, as vLLM does after a remote prefill (that step gives the
+        logits)."""
         seq.num_computed_tokens = len(seq) - 1
         self.bm.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
@@ -166,7 +167,8 @@ class Scheduler:
         for seq in chunks:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        return ScheduledBatch(list(chunks), list(chunks.values()), [drafts.get(s, []) for s in chunks])
+        return ScheduledBatch(list(chunks), list(chunks.values()),
+                              [drafts.get(s, []) for s in chunks])
 
     def _schedule_decodes(self, chunks: dict[Sequence, int], drafts: dict[Sequence, list[int]],
                           budget: int) -> int:
@@ -296,7 +298,8 @@ class Scheduler:
             match = self.bm.match_prefix(seq)
             remaining = len(seq) - match.num_tokens
             if remaining > budget and len(chunks) > num_prefills:
-                break       # whole prompts only; an oversize one waits to be the step's only prefill
+                # whole prompts only; an oversize one waits to be the step's only prefill
+                break
             taken = len(chunks) - num_prefills
             if taken and not self._worth_adding(remaining, remaining, taken, len(self.waiting),
                                                 fixed):
@@ -322,7 +325,8 @@ class Scheduler:
             for token in tokens:
                 seq.append_token(token)
                 added += 1
-                reason = stop_token_reason(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
+                reason = stop_token_reason(token, seq.num_output_tokens, seq.params,
+                                           self.eos_token_ids)
                 if reason is None and len(seq) >= self.config.max_model_len:
                     reason = "length"
                 if reason is not None:

@@ -38,9 +38,9 @@ class Sequence:
         self.block_hashes: list[int] = []     # chained hashes of the full blocks so far
         self.num_hashed_blocks = 0            # leading blocks already offered to the prefix cache
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
-        self.generator = None                 # a seeded request's own RNG, made on the model's device
-        self.kv_hold: str | None = None       # a transfer id: when it ends, its KV is held for a pull
-        self.spec = None                      # speculative decoding's state (backend/spec_decode.py)
+        self.generator = None                 # a seeded request's own RNG, on the model's device
+        self.kv_hold: str | None = None       # a transfer id: once done, its KV is held for a pull
+        self.spec = None                      # speculative decoding's state (spec_decode.py)
         # time.monotonic() stamps, as vLLM's: arrival = reaching the engine (after tokenization)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

@@ -47,12 +47,18 @@ from prefixgate.backend import kv_transfer
 from prefixgate.backend.config import DEFAULT_MAX_TOKENS, ServerArgs
 from prefixgate.backend.engine import AsyncEngine, LLMEngine
 from prefixgate.backend.metrics import EngineMetrics
-from prefixgate.backend.openai import (ResponseFormat, body_field, chat_messages, check_model,
-                                       completion_prompt, json_body, open_final_message,
-                                       sampling_params)
+from prefixgate.backend.openai import (
+    ResponseFormat,
+    body_field,
+    chat_messages,
+    check_model,
+    completion_prompt,
+    json_body,
+    open_final_message,
+    sampling_params,
+)
 from prefixgate.backend.timing import RequestTiming
-from prefixgate.common import server_timing
-from prefixgate.common import tracing
+from prefixgate.common import server_timing, tracing
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import json_errors_middleware, start_app
 from prefixgate.common.schema import is_type

@@ -16,7 +16,7 @@ A draft costs compute whether or not it is accepted, so it is skipped (the step 
   The engine times its decode steps and fits step time = a + c * tokens (`StepCost`, recent
   steps weigh most): with B decodes a draft token costs c / (a + c * B) of a step that yields B
   tokens, so drafts pay above an acceptance rate of B * c / (a + c * B). On the 2-core CPU of
-  the README's figures that is ~0.05 at batch 1, ~0.45 at batch 16; on a GPU, where a small
+  docs/engine.md's figures that is ~0.05 at batch 1, ~0.45 at batch 16; on a GPU, where a small
   batch's step costs about the same whatever its tokens, it stays near 0 until the batch fills it.
   A sequence's first draft is a probe (its average starts at the bar). Under the bar, the
   sequence skips its next 4 drafts (it finds the n-gram but does not draft), twice as many each
@@ -24,7 +24,7 @@ A draft costs compute whether or not it is accepted, so it is skipped (the step 
   steps: in free text matches are rare, and a pause counted in steps would end before the next.
 The config (`--speculative-config`, `SpeculativeConfig`) and its defaults are in
 backend/config.py; they come from `python -m prefixgate.backend.bench.speculative --sweep`
-(README: speculative decoding).
+(docs/engine.md: "Measured: speculative decoding").
 """
 from __future__ import annotations
 

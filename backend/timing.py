@@ -57,8 +57,10 @@ class RequestTiming:
         pull = self.kv_pull or 0.0
         return server_timing.join(
             server_timing.entry("tokenize", (out.arrival_time - self.arrival) * 1e3),
-            *([server_timing.entry("kv_pull", pull * 1e3)] if self.kv_pull is not None else []),
-            server_timing.entry("queue", (out.first_scheduled_time - out.arrival_time - pull) * 1e3),
+            *([server_timing.entry("kv_pull", pull * 1e3)]
+              if self.kv_pull is not None else []),
+            server_timing.entry("queue",
+                                (out.first_scheduled_time - out.arrival_time - pull) * 1e3),
             server_timing.entry("prefill", (out.first_token_time - out.first_scheduled_time) * 1e3,
                                 f"computed={out.prompt_tokens - cached} cached={cached}"),
             server_timing.entry("decode", (now - out.first_token_time) * 1e3))
@@ -72,7 +74,7 @@ class RequestTiming:
                 "gen_ai.request.temperature": params.temperature,
                 "gen_ai.request.top_p": params.top_p})
 
-    def __enter__(self) -> "RequestTiming":
+    def __enter__(self) -> RequestTiming:
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
@@ -92,15 +94,17 @@ class RequestTiming:
                 "gen_ai.latency.time_in_queue": out.first_scheduled_time - t0,
                 "gen_ai.latency.time_to_first_token": out.first_token_time - t0,
                 "gen_ai.latency.e2e": out.last_token_time - t0,
-                "gen_ai.latency.time_in_model_prefill": out.first_token_time - out.first_scheduled_time,
+                "gen_ai.latency.time_in_model_prefill":
+                    out.first_token_time - out.first_scheduled_time,
                 "gen_ai.latency.time_in_model_decode": out.last_token_time - out.first_token_time,
-                "gen_ai.latency.time_in_model_inference": out.last_token_time - out.first_scheduled_time})
+                "gen_ai.latency.time_in_model_inference":
+                    out.last_token_time - out.first_scheduled_time})
             span.add_event("scheduled", timestamp=self._ns(out.first_scheduled_time))
             span.add_event("first_token", timestamp=self._ns(out.first_token_time))
         failed = _why(error) if error is not None else (
             None if out is not None and out.finished else "the engine did not finish the request")
         if failed is not None:
-            from opentelemetry.trace import StatusCode    # loaded already: a span exists
+            from opentelemetry.trace import StatusCode  # loaded already: a span exists
 
             span.set_status(StatusCode.ERROR, failed)
         span.end()

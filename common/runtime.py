@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web, web_protocol
@@ -20,7 +20,7 @@ log = logging.getLogger("prefixgate.server")
 def install_uvloop() -> None:
     """Make uvloop the event loop of this process's asyncio.run() calls, when it is installed."""
     try:
-        import uvloop       # optional: not on Windows
+        import uvloop  # optional: not on Windows
     except ImportError:
         return
     uvloop.install()

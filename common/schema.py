@@ -9,8 +9,9 @@ helper, so every message reads `plugins[2].prefix_route.load_factor: ...`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 REQUIRED = object()
 
@@ -29,7 +30,7 @@ class ConfigError(ValueError):
         """The offending key itself: the last part of `path` ("" for the value as a whole)."""
         return self.path.rpartition(".")[2]
 
-    def under(self, prefix: str) -> "ConfigError":
+    def under(self, prefix: str) -> ConfigError:
         """The same error with its key path nested under `prefix`."""
         joined = prefix if not self.path else (
             f"{prefix}{self.path}" if self.path.startswith("[") else f"{prefix}.{self.path}")
@@ -42,7 +43,7 @@ class Key:
     types: type | tuple[type, ...]
     default: Any = REQUIRED
     check: Callable[[Any], str | None] | None = None   # returns a reason when the value is bad
-    nested: "dict[str, Key] | None" = field(default=None)  # for mappings validated in turn
+    nested: dict[str, Key] | None = field(default=None)  # for mappings validated in turn
 
 
 def positive(v) -> str | None:

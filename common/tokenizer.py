@@ -19,7 +19,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -35,7 +37,8 @@ class TokenizerLoadError(ValueError):
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we only render it."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; we only
+    render it."""
 
     tags = {"generation"}
 
@@ -49,7 +52,7 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
-    """namespace() that refuses underscore attributes, so templates cannot reach CPython internals."""
+    """namespace() refusing underscore attributes, so templates cannot reach CPython internals."""
 
     def __init__(*args, **kwargs):
         self, args = args[0], args[1:]
@@ -84,7 +87,9 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt):
@@ -113,7 +118,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template has a syntax error on line {e.lineno}: {e.message}") from None
+        raise ChatTemplateError(
+            f"chat template has a syntax error on line {e.lineno}: {e.message}"
+        ) from None
 
 
 def _plain(value):
@@ -178,7 +185,7 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -193,10 +200,13 @@ class Tokenizer:
         jinja_file = model_dir / "chat_template.jinja"  # transformers 5 writes the template here
         if jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        # a list: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}
-        eos_extra = [*_as_id_list(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
-                     *_as_id_list(_read_json(model_dir / "config.json").get("eos_token_id"))]
+        eos_extra = [
+            *_as_id_list(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
+            *_as_id_list(_read_json(model_dir / "config.json").get("eos_token_id")),
+        ]
         return cls(tok, config, template, eos_extra)
 
     def _id_of(self, key: str) -> int | None:
@@ -224,11 +234,16 @@ class Tokenizer:
                 raise ChatTemplateError(f"no default chat template among {sorted(t)}")
             return t[name]
         if not t:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
+            raise ChatTemplateError(
+                "this model has no chat template; use /v1/completions with a raw prompt"
+            )
         return t
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render messages with the model's template, as transformers' apply_chat_template(tokenize=False)."""
+    def apply_chat_template(
+        self, messages, tools=None, add_generation_prompt: bool = True, **kwargs
+    ) -> str:
+        """Render messages with the model's template, as transformers'
+        apply_chat_template(tokenize=False)."""
         template = compile_chat_template(self.template_source(tools))
         messages = [_alias_reasoning(m) for m in _plain(messages)]
         if not all(isinstance(m, dict) for m in messages):
@@ -237,11 +252,14 @@ class Tokenizer:
         variables.setdefault("documents", None)
         try:
             return template.render(
-                messages=messages, tools=_plain(tools), add_generation_prompt=add_generation_prompt, **variables
+                messages=messages, tools=_plain(tools), add_generation_prompt=add_generation_prompt,
+                **variables,
             )
         except jinja2.exceptions.SecurityError as e:
-            raise ChatTemplateError(f"chat template tried an unsafe operation and was stopped: {e}") from None
-        except jinja2.exceptions.TemplateError as e:  # includes raise_exception(...) from the template
+            raise ChatTemplateError(
+                f"chat template tried an unsafe operation and was stopped: {e}"
+            ) from None
+        except jinja2.exceptions.TemplateError as e:  # the template's raise_exception(...) too
             raise ChatTemplateError(f"chat template error: {e}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {e!r}") from None

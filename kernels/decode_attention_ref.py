@@ -22,19 +22,22 @@ PAD_ROWS = 256
 
 
 def fp8_scales(cache, scale) -> torch.Tensor | None:
-    """Per-KV-head float32 scales for an FP8 cache, None otherwise (other dtypes store values as is)."""
+    """Per-KV-head float32 scales for an FP8 cache, None otherwise (other dtypes store values as
+    is)."""
     return kv_scales(scale, cache.shape[2], cache.device) if is_fp8(cache) else None
 
 
 def gather_kv(cache, block_tables, num_tokens: int, scales=None) -> torch.Tensor:
-    """The first num_tokens cached rows of each sequence as float32 [S, num_tokens, num_kv_heads, head_dim].
+    """The first num_tokens cached rows of each sequence as float32
+    [S, num_tokens, num_kv_heads, head_dim].
 
     block_tables [S, max_blocks]; scales: from fp8_scales (None: no dequantization).
     """
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     n_pages = -(-num_tokens // block_size)
     pages = block_tables[:, :n_pages].long()
-    rows = cache[pages].view(pages.shape[0], n_pages * block_size, num_kv_heads, head_dim)[:, :num_tokens].float()
+    rows = cache[pages].view(pages.shape[0], n_pages * block_size, num_kv_heads, head_dim)
+    rows = rows[:, :num_tokens].float()
     if scales is not None:
         rows = rows * scales[:, None]
     return rows
@@ -67,7 +70,8 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
         kw["is_causal"] = True
     elif rows > 1:              # a single query is the last position and sees every key: no mask
         kw["attn_mask"] = end_aligned_causal_mask(rows, length, q.device)
-    o = sdpa(q[None, skip:].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), scale, **kw)
+    o = sdpa(q[None, skip:].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+             scale, **kw)
     out[skip:] = o[0].transpose(0, 1)
     return out
 
@@ -110,14 +114,16 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
         every = len(group) == len(lens)      # the usual decode batch: no row shuffling needed
         group.sort()
         idx = torch.tensor(group, device=q.device)
-        tables = block_tables if every else block_tables.index_select(0, idx.to(block_tables.device))
+        tables = (block_tables if every
+                  else block_tables.index_select(0, idx.to(block_tables.device)))
         k = gather_kv(k_cache, tables, longest, ks).transpose(1, 2)     # [G, Hkv, L, D]
         v = gather_kv(v_cache, tables, longest, vs).transpose(1, 2)
         kw = {}
         n = [lens[s] for s in group]
         if min(n) != longest:                # ragged group: hide each sequence's padding
             n = torch.tensor(n, device=q.device)
-            kw["attn_mask"] = (torch.arange(longest, device=q.device)[None, :] < n[:, None])[:, None, None]
+            visible = torch.arange(longest, device=q.device)[None, :] < n[:, None]
+            kw["attn_mask"] = visible[:, None, None]
         o = sdpa((q if every else q[idx])[:, :, None], k, v, scale, **kw)[:, :, 0].to(q.dtype)
         if every:
             return o

@@ -13,16 +13,26 @@ import triton
 import triton.language as tl
 
 from prefixgate.kernels.shared import is_fp8
-from prefixgate.kernels.triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, num_sms, pow2, scale_args
+from prefixgate.kernels.triton_utils import (
+    LOG2E,
+    dot_dtype,
+    dot_in_fp32,
+    load_kv_tile,
+    num_sms,
+    pow2,
+    scale_args,
+)
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, ml_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr,
+                   ml_ptr,
                    qk_scale,
-                   stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
+                   stride_vb, stride_vt, stride_vh,
                    stride_bt, stride_os, stride_oh,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -56,16 +66,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_pt
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale, stride_kb, stride_kt, stride_kh,
-                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale,
+                         stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale, stride_vb, stride_vt, stride_vh,
-                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale,
+                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -94,15 +104,17 @@ def _reduce_kernel(part_ptr, ml_ptr, out_ptr, stride_os, stride_oh,
     dmask = d < HEAD_DIM
     row = (seq * NUM_HEADS + head) * NUM_SPLITS + sp
     m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
-    l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    l_split = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=smask[:, None] & dmask[None, :], other=0.0)
     num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(l * w, 0)
+    den = tl.sum(l_split * w, 0)
     out = tl.where(den > 0, num / tl.maximum(den, 1e-30), 0.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=dmask)
 
 
 def choose_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
@@ -117,14 +129,16 @@ def choose_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) -> i
     return max(1, min(want, -(-max_context // MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
+def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                            k_scale=None, v_scale=None,
                             num_splits: int | None = None) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert (q.stride(2) == 1 and k_cache.stride(3) == 1
+            and v_cache.stride(3) == 1), "head_dim must be contiguous"
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     group = num_heads // num_kv_heads
@@ -132,18 +146,21 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         num_splits = choose_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size)
     block_n = 64 if not dot_in_fp32(q) else 32
     if num_splits > 1:
-        part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
         ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
     fp32 = dot_in_fp32(q)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device), out, part, ml,
+        scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device),
+        out, part, ml,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=pow2(group, 16),
+        HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, IS_FP8=is_fp8(k_cache),
         DOT_DTYPE=dot_dtype(q), PRECISION="ieee" if fp32 else "tf32", num_warps=4)
     if num_splits > 1:

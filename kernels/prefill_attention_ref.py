@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.kernels.decode_attention_ref import causal_attention, decode_attention_ref, fp8_scales, gather_kv
+from prefixgate.kernels.decode_attention_ref import (
+    causal_attention,
+    decode_attention_ref,
+    fp8_scales,
+    gather_kv,
+)
 
 
 def prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -25,7 +30,8 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     if singles:
         idx = torch.tensor(singles, device=q.device)
         rows = torch.tensor([starts[s] for s in singles], device=q.device)
-        out[rows] = decode_attention_ref(q[rows], k_cache, v_cache, block_tables[idx.to(block_tables.device)],
+        out[rows] = decode_attention_ref(q[rows], k_cache, v_cache,
+                                         block_tables[idx.to(block_tables.device)],
                                          seq_lens[idx.to(seq_lens.device)], scale, k_scale, v_scale)
     ks, vs = fp8_scales(k_cache, k_scale), fp8_scales(v_cache, v_scale)
     for s, n in enumerate(q_lens):

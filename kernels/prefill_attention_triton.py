@@ -1,7 +1,7 @@
 """Triton paged prefill attention over a cached prefix; twin of prefill_attention_ref.py.
 
-Grid (query tile, query head) over the ragged batch: each sequence gets cdiv(q_len, BLOCK_M) tiles,
-numbered consecutively; a program finds its sequence by binary search over the tiles' prefix
+Grid (query tile, query head) over the ragged batch: each sequence gets cdiv(q_len, BLOCK_M)
+tiles, numbered consecutively; a program finds its sequence by binary search over the tiles' prefix
 sums (computed on the device, so no host sync and a grid sized from shapes alone). Sequence s
 owns q rows query_start_loc[s]:[s+1]; its new token i sits at position seq_lens[s] - q_len + i.
 Each program streams the K/V pages its tile can see (up to the tile's last position) with a
@@ -14,12 +14,19 @@ import triton
 import triton.language as tl
 
 from prefixgate.kernels.shared import is_fp8
-from prefixgate.kernels.triton_utils import LOG2E, dot_dtype, dot_in_fp32, load_kv_tile, pow2, scale_args
+from prefixgate.kernels.triton_utils import (
+    LOG2E,
+    dot_dtype,
+    dot_in_fp32,
+    load_kv_tile,
+    pow2,
+    scale_args,
+)
 
 
 @triton.jit
 def _find_sequence(tile_starts_ptr, pid, NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """Largest s with tile_starts[s] <= pid (tile_starts has NUM_SEQS + 1 non-decreasing entries)."""
+    """Largest s with tile_starts[s] <= pid (tile_starts: NUM_SEQS + 1 non-decreasing entries)."""
     lo = 0
     hi = NUM_SEQS
     for _ in tl.static_range(SEARCH_STEPS):
@@ -31,11 +38,14 @@ def _find_sequence(tile_starts_ptr, pid, NUM_SEQS: tl.constexpr, SEARCH_STEPS: t
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_ptr, ks_ptr, vs_ptr, out_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_ptr, ks_ptr, vs_ptr,
+                    out_ptr,
                     qk_scale,
-                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                    stride_vb, stride_vt, stride_vh,
                     stride_bt, stride_ot, stride_oh,
-                    NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -67,12 +77,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq * stride_bt
-    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)   # last visible position + 1
+    # one past the last position this tile can see
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < kv_end
-        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale, stride_kb, stride_kt, stride_kh,
-                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale,
+                         stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
         s = tl.where(tmask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -80,8 +91,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale, stride_vb, stride_vt, stride_vh,
-                         BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale,
+                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -98,7 +109,8 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_
     num_seqs = seq_lens.shape[0]
     if total == 0 or num_seqs == 0:
         return out
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert (q.stride(2) == 1 and k_cache.stride(3) == 1
+            and v_cache.stride(3) == 1), "head_dim must be contiguous"
     fp32 = dot_in_fp32(q)
     block_m, block_n = (32, 32) if fp32 else (64, 64)
     block_tables = block_tables.contiguous()
@@ -106,7 +118,7 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     tile_starts = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     torch.cumsum((q_lens + block_m - 1) // block_m, 0, out=tile_starts[1:])
-    # sum of cdiv(q_len, BLOCK_M) <= cdiv(total, BLOCK_M) + num_seqs: a bound that needs no host sync.
+    # sum of cdiv(q_len, BLOCK_M) <= cdiv(total, BLOCK_M) + num_seqs: a bound with no host sync
     grid = (triton.cdiv(total, block_m) + num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc, tile_starts,
@@ -114,7 +126,8 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_SEQS=num_seqs, SEARCH_STEPS=max(1, num_seqs.bit_length()), GROUP=num_heads // num_kv_heads,
+        NUM_SEQS=num_seqs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, IS_FP8=is_fp8(k_cache), DOT_DTYPE=dot_dtype(q),
         PRECISION="ieee" if fp32 else "tf32", num_warps=4 if fp32 else 8, num_stages=2)

@@ -26,7 +26,8 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def kv_scales(scale, num_kv_heads: int, device) -> torch.Tensor:
-    """Normalise a scale (None, float, 0-d / 1-element / [num_kv_heads] tensor) to float32 [num_kv_heads].
+    """Normalise a scale (None, float, 0-d / 1-element / [num_kv_heads] tensor) to float32
+    [num_kv_heads].
 
     Scales matter only for FP8 caches (stored = value / scale); None means 1.0.
     """
@@ -39,7 +40,8 @@ def kv_scales(scale, num_kv_heads: int, device) -> torch.Tensor:
     if s.numel() == 1:
         return s.expand(num_kv_heads).contiguous()
     if s.numel() != num_kv_heads:
-        raise ValueError(f"KV scale must be per tensor or per KV head ({num_kv_heads}), got {s.numel()} values")
+        raise ValueError(f"KV scale must be per tensor or per KV head ({num_kv_heads}), "
+                         f"got {s.numel()} values")
     return s.contiguous()
 
 

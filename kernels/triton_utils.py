@@ -17,11 +17,12 @@ def interpreting() -> bool:
 
 
 def dot_in_fp32(q: torch.Tensor) -> bool:
-    """fp32 inputs keep fp32 (IEEE) dots; the interpreter also needs fp32 (numpy has no bf16 matmul)."""
+    """fp32 inputs keep fp32 (IEEE) dots; the interpreter needs fp32 too (numpy has no bf16
+    matmul)."""
     return q.dtype == torch.float32 or interpreting()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -41,14 +42,16 @@ def pow2(n: int, at_least: int = 1) -> int:
 def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale,
                  stride_b, stride_t, stride_h,
                  BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Rows t (token positions of one sequence) of the paged cache for one KV head -> [len(t), BLOCK_D].
+    """Rows t (token positions of one sequence) of the paged cache for one KV head:
+    [len(t), BLOCK_D].
 
     Each token finds its page through the block table, so a tile may span several pages and the
     page size need not match the tile size. FP8 rows are dequantized with the head's scale.
     """
     page = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     rows = page * stride_b + (t % BLOCK_SIZE).to(tl.int64) * stride_t + kv_head * stride_h
-    x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+    x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :],
+                other=0.0)
     if IS_FP8:
         x = x.to(tl.float32) * scale
     return x.to(DOT_DTYPE)

@@ -1,8 +1,6 @@
 """Plain-PyTorch reference for the KV-cache scatter (twin of write_kv_triton.py)."""
 from __future__ import annotations
 
-import torch
-
 from prefixgate.kernels.shared import is_fp8, kv_scales, quantize_fp8
 
 

@@ -5,7 +5,6 @@ the per-head scale (saturating at +-448, like the reference). Negative slots (pa
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -24,10 +23,12 @@ def _round_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     keep_lsb = (bits >> 20) & 1                      # e4m3 keeps 3 of fp32's 23 mantissa bits
     normal = ((bits + 0x7FFFF + keep_lsb) & -0x100000).to(tl.float32, bitcast=True)
-    magic = 12582912.0                               # 1.5 * 2**23: adding it rounds to an integer (RNE)
+    # 1.5 * 2**23: adding it rounds to an integer (RNE)
+    magic = 12582912.0
     ax = tl.abs(x)
     subnormal = ((ax * 512.0 + magic) - magic) * 0.001953125  # e4m3 subnormals: multiples of 2**-9
-    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # keep the sign bit, even of -0, like torch
+    # keep the sign bit, even of -0, like torch
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)
     return tl.where(ax < 0.015625, subnormal, normal)
 
 
@@ -35,13 +36,16 @@ def _round_to_e4m3(x):
 def _write_one(x_ptr, cache_ptr, scale_ptr, token, slot, h, hmask, d, mask, stride_xt, stride_xh,
                stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
                FP8_LIMIT: tl.constexpr):
-    x = tl.load(x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask,
+                other=0.0)
     if IS_FP8:
         scale = tl.load(scale_ptr + h, mask=hmask, other=1.0)
         # IEEE division (div_rn), as torch does: GPU `/` may be approximate and flip a rounding tie.
-        x = _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+        scaled = tl.math.div_rn(x.to(tl.float32), scale[:, None])
+        x = _round_to_e4m3(tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT))
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-    tl.store(cache_ptr + dst + h[:, None] * stride_ch + d[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + dst + h[:, None] * stride_ch + d[None, :],
+             x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,10 +74,13 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert (k.stride(2) == 1 and v.stride(2) == 1
+            and k_cache.stride(3) == 1), "head_dim must be contiguous"
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping.contiguous(),
         scale_args(k_cache, k_scale, k.device), scale_args(v_cache, v_scale, k.device),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, BLOCK_H=pow2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, BLOCK_H=pow2(num_kv_heads),
+        HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
         BLOCK_SIZE=block_size, IS_FP8=is_fp8(k_cache), FP8_LIMIT=FP8_MAX)

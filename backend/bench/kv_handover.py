@@ -1,4 +1,4 @@
-"""Engine-to-engine KV transfer vs recomputing the prompt: `python -m prefixgate.backend.bench.kv_handover`.
+"""Engine-to-engine KV transfer vs recomputing: `python -m prefixgate.backend.bench.kv_handover`.
 
 Two engine processes on loopback (the demo model on CPU unless told otherwise): a prefill engine
 and a decode engine. Each repeat takes a fresh random prompt (no prefix-cache hits anywhere):
@@ -31,7 +31,8 @@ async def _engine(role: str, args) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         *ENGINE_COMMAND, "--model", args.model, "--role", role,
-        "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks), "--kv-cache-dtype", args.kv_cache_dtype,
+        "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks),
+        "--kv-cache-dtype", args.kv_cache_dtype,
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning")
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url, "/health", 180, proc)
@@ -65,7 +66,8 @@ async def run(args) -> dict:
     vocab = _vocab_size(args.model)
     prefill, p_url = await _engine("prefill", args)
     decode, d_url = await _engine("decode", args)
-    samples = {"recompute_ms": [], "pull_ms": [], "leg2_ttft_ms": [], "leg1_prefill_ms": [], "mb_per_s": []}
+    samples = {"recompute_ms": [], "pull_ms": [], "leg2_ttft_ms": [], "leg1_prefill_ms": [],
+               "mb_per_s": []}
     nbytes = 0.0
     try:
         async with aiohttp.ClientSession() as s:
@@ -78,7 +80,8 @@ async def run(args) -> dict:
                 p = prompt()
                 leg1, t1 = await _post(s, p_url, {**base, "prompt": p, "kv_transfer_params": LEG1})
                 before = await _received_bytes(s, d_url)
-                _, t2 = await _post(s, d_url, {**base, "prompt": p, "kv_transfer_params": leg1["kv_transfer_params"]})
+                leg2 = {**base, "prompt": p, "kv_transfer_params": leg1["kv_transfer_params"]}
+                _, t2 = await _post(s, d_url, leg2)
                 nbytes = await _received_bytes(s, d_url) - before
                 if i == 0:
                     continue
@@ -102,7 +105,8 @@ def report(r: dict) -> None:
     print(f"KV transfer on loopback: {c['model']} model, {c['prompt_tokens']}-token prompt, "
           f"{c['kv_cache_dtype']} KV = {r['kv_bytes'] / 1e6:.1f} MB, median of {c['repeats']}")
     rows = [("recompute the prompt (decode engine's prefill)", m["recompute_ms"], ""),
-            ("pull its KV from the prefill engine (kv_pull)", m["pull_ms"], f"{m['mb_per_s']:.0f} MB/s"),
+            ("pull its KV from the prefill engine (kv_pull)", m["pull_ms"],
+             f"{m['mb_per_s']:.0f} MB/s"),
             ("leg 2 to first token (pull + 1-token step)", m["leg2_ttft_ms"], ""),
             ("(leg 1: the prefill engine's prefill)", m["leg1_prefill_ms"], "")]
     for name, ms, extra in rows:

@@ -66,7 +66,8 @@ async def first_token(session, url: str, prompt: list[int]) -> tuple[float, int]
             if first is None and chunk.get("choices"):
                 first = time.perf_counter() - t0
             usage = chunk.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or cached
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", cached) or cached
     return first, cached
 
 
@@ -114,7 +115,8 @@ async def run(args) -> dict:
                     arms = ["off", "on"] if (r + i) % 2 == 0 else ["on", "off"]
                     for arm in arms:
                         ttft, cached = await first_token(s, servers[arm].url, prompt)
-                        samples[arm].append({"tenant": tenant, "ttft_s": ttft, "cached_tokens": cached})
+                        samples[arm].append({"tenant": tenant, "ttft_s": ttft,
+                                             "cached_tokens": cached})
             counters = {arm: await tier_counters(s, srv.url) for arm, srv in servers.items()}
     finally:
         for srv in servers.values():
@@ -152,11 +154,13 @@ def report(r: dict) -> None:
     print(f"  {'with the tier':<22}{on['ttft_p50_ms']:9.1f}{on['ttft_p95_ms']:9.1f}"
           f"{on['cached_fraction']:9.0%}  (from the tier: {on['tier_fraction']:.0%})")
     k = on["counters"]
-    print(f"  tier: {k['kv_offload_stored_blocks']:.0f} blocks stored, {k['kv_offload_loaded_blocks']:.0f} "
-          f"loaded, {k['kv_offload_hit_tokens']:.0f} hit tokens, {k['kv_offload_corrupted_blocks']:.0f} corrupted")
+    print(f"  tier: {k['kv_offload_stored_blocks']:.0f} blocks stored, "
+          f"{k['kv_offload_loaded_blocks']:.0f} loaded, "
+          f"{k['kv_offload_hit_tokens']:.0f} hit tokens, "
+          f"{k['kv_offload_corrupted_blocks']:.0f} corrupted")
     met = "met" if r["p50_ratio"] >= r["target_p50"] else "MISSED"
-    print(f"  TTFT p50 without / with: {r['p50_ratio']:.2f}x (target >= {r['target_p50']}x: {met}); "
-          f"p95: {r['p95_ratio']:.2f}x")
+    print(f"  TTFT p50 without / with: {r['p50_ratio']:.2f}x "
+          f"(target >= {r['target_p50']}x: {met}); p95: {r['p95_ratio']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3, help="shuffled visits of every tenant")
-    p.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB (default %(default)s)")
-    p.add_argument("--kv-offloading-path", default=None, help="the tier's directory (default: a temp dir)")
+    p.add_argument("--kv-offloading-size", type=float, default=1.0,
+                   help="GiB (default %(default)s)")
+    p.add_argument("--kv-offloading-path", default=None,
+                   help="the tier's directory (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="4 tenants (device: 2), 1 round: a smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="4 tenants (device: 2), 1 round: a smoke run")
     p.add_argument("--out", default=None, help="save results as JSON here")
     args = p.parse_args(argv)
     if args.quick:

@@ -55,8 +55,10 @@ class Prompts:
 
 
 async def ttft(session, url: str, prompt: list[int], max_tokens: int = 1) -> float:
-    """Seconds from sending the request to the first streamed token; reads the stream to its end."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    """Seconds from sending the request to the first streamed token; reads the stream to its
+    end."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     t0 = time.perf_counter()
     first = None
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -101,16 +103,19 @@ async def bench_prefix(model: str, repeats: int, prompts: Prompts) -> dict:
                     out.append(await ttft(s, server.url, prefix + prompts(2400 - shared)))
     finally:
         await server.close()
-    m = {k: statistics.median(v) for k, v in (("cold", cold), ("shared_50", warm50), ("shared_80", warm80))}
+    samples = {"cold": cold, "shared_50": warm50, "shared_80": warm80}
+    m = {k: statistics.median(v) for k, v in samples.items()}
     # Each repeat measures cold and warm back to back; the median of those paired ratios is
     # less sensitive to load that drifts over the run than the ratio of medians.
-    paired = {k: statistics.median(c / w for c, w in zip(cold, v)) for k, v in (("50", warm50), ("80", warm80))}
-    return {"ttft_median_s": m, "samples_s": {"cold": cold, "shared_50": warm50, "shared_80": warm80},
+    paired = {k: statistics.median(c / w for c, w in zip(cold, v))
+              for k, v in (("50", warm50), ("80", warm80))}
+    return {"ttft_median_s": m, "samples_s": samples,
             "prefix_50": m["cold"] / m["shared_50"], "prefix_80": m["cold"] / m["shared_80"],
             "paired_ratio_median": paired}
 
 
-async def _long_and_shorts(model: str, flags: list[str], repeats: int, prompts: Prompts) -> list[float]:
+async def _long_and_shorts(model: str, flags: list[str], repeats: int,
+                           prompts: Prompts) -> list[float]:
     server = await serve(model, *flags)
     p95s = []
     try:
@@ -136,7 +141,8 @@ async def bench_chunked(model: str, repeats: int, prompts: Prompts) -> dict:
             "samples_s": {"chunked": on, "whole_prompts": off}, "chunked_p95": m_off / m_on}
 
 
-async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 16, new_tokens: int = 128) -> dict:
+async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 16,
+                           new_tokens: int = 128) -> dict:
     """Engine batch and transformers one-by-one, alternated, so both see the same machine load."""
     server = await serve(model)
     ours, theirs = [], []
@@ -147,7 +153,8 @@ async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 
             for _ in range(repeats):
                 batch = [prompts(32) for _ in range(n)]
                 t0 = time.perf_counter()
-                done = await asyncio.gather(*(complete(s, server.url, p, new_tokens) for p in batch))
+                done = await asyncio.gather(*(complete(s, server.url, p, new_tokens)
+                                              for p in batch))
                 ours.append(time.perf_counter() - t0)
                 assert sum(done) == n * new_tokens
                 theirs.append(await asyncio.to_thread(_hf_one_by_one, hf, batch, new_tokens))
@@ -155,7 +162,8 @@ async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 
         await server.close()
     tokens = n * new_tokens
     m_ours, m_hf = statistics.median(ours), statistics.median(theirs)
-    return {"engine_s": m_ours, "transformers_s": m_hf, "samples_s": {"engine": ours, "transformers": theirs},
+    return {"engine_s": m_ours, "transformers_s": m_hf,
+            "samples_s": {"engine": ours, "transformers": theirs},
             "engine_tok_per_s": tokens / m_ours, "transformers_tok_per_s": tokens / m_hf,
             "throughput": m_hf / m_ours}
 
@@ -190,12 +198,14 @@ async def _fresh_start(session, model: str, flags: list[str], prompts: Prompts) 
     finally:
         proc.terminate()
         await proc.wait()
-    return {"listening_s": listening, "ready_s": ready, "first_ttft_s": first, "second_ttft_s": second}
+    return {"listening_s": listening, "ready_s": ready, "first_ttft_s": first,
+            "second_ttft_s": second}
 
 
 async def bench_warmup(model: str, repeats: int, prompts: Prompts) -> dict:
     """Each repeat starts every configuration once, so drifting load hits them alike."""
-    configs = {f"{fmt}_{'warm' if warm else 'skip'}": ["--load-format", fmt] + ([] if warm else ["--skip-server-warmup"])
+    configs = {f"{fmt}_{'warm' if warm else 'skip'}":
+               ["--load-format", fmt] + ([] if warm else ["--skip-server-warmup"])
                for fmt in ("mmap", "eager") for warm in (True, False)}
     samples = {name: [] for name in configs}
     async with aiohttp.ClientSession() as s:
@@ -217,14 +227,16 @@ def _load_hf(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     with torch.inference_mode():   # warm-up
-        model.generate(torch.tensor([[16, 17, 18]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.generate(torch.tensor([[16, 17, 18]]), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
     return model
 
 
 def _hf_one_by_one(model, batch: list[list[int]], new_tokens: int) -> float:
     import torch
 
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
     with torch.inference_mode():
         t0 = time.perf_counter()
         for prompt in batch:
@@ -240,30 +252,28 @@ async def run(args) -> dict:
     prompts = Prompts(vocab, args.seed)
     result = {"config": vars(args), "targets": TARGETS}
     parts = set(args.parts.split(","))
-    if "a" in parts:
-        result["prefix_cache"] = await bench_prefix(args.model, args.repeats, prompts)
-        _report_a(result["prefix_cache"])
-    if "b" in parts:
-        result["chunked_prefill"] = await bench_chunked(args.model, args.repeats, prompts)
-        _report_b(result["chunked_prefill"])
-    if "c" in parts:
-        result["continuous_batching"] = await bench_throughput(args.model, args.repeats, prompts)
-        _report_c(result["continuous_batching"])
-    if "d" in parts:
-        result["warmup"] = await bench_warmup(args.model, args.repeats, prompts)
-        _report_d(result["warmup"])
+    benches = (("a", "prefix_cache", bench_prefix, _report_a),
+               ("b", "chunked_prefill", bench_chunked, _report_b),
+               ("c", "continuous_batching", bench_throughput, _report_c),
+               ("d", "warmup", bench_warmup, _report_d))
+    for part, key, bench, report in benches:
+        if part in parts:
+            result[key] = await bench(args.model, args.repeats, prompts)
+            report(result[key])
     return result
 
 
 def _verdict(ratio: float, key: str) -> str:
-    return f"{ratio:.2f}x (target >= {TARGETS[key]}x: {'met' if ratio >= TARGETS[key] else 'MISSED'})"
+    met = "met" if ratio >= TARGETS[key] else "MISSED"
+    return f"{ratio:.2f}x (target >= {TARGETS[key]}x: {met})"
 
 
 def _report_a(r):
     m = r["ttft_median_s"]
     print(f"a) prefix cache, 2,400-token prompt TTFT median: cold {m['cold'] * 1e3:.0f} ms, "
           f"50% served before {m['shared_50'] * 1e3:.0f} ms, 80% {m['shared_80'] * 1e3:.0f} ms")
-    print(f"   speed-up 50%: {_verdict(r['prefix_50'], 'prefix_50')}; 80%: {_verdict(r['prefix_80'], 'prefix_80')}")
+    print(f"   speed-up 50%: {_verdict(r['prefix_50'], 'prefix_50')}; "
+          f"80%: {_verdict(r['prefix_80'], 'prefix_80')}")
     p = r["paired_ratio_median"]
     print(f"   (median of per-repeat cold/warm ratios: 50% {p['50']:.2f}x, 80% {p['80']:.2f}x)")
 
@@ -276,20 +286,26 @@ def _report_b(r):
 
 
 def _report_c(r):
-    print(f"c) 16 x 128 tokens (medians): engine {r['engine_s']:.1f} s ({r['engine_tok_per_s']:.0f} tok/s), "
-          f"transformers one by one {r['transformers_s']:.1f} s ({r['transformers_tok_per_s']:.0f} tok/s)")
+    print(f"c) 16 x 128 tokens (medians): engine {r['engine_s']:.1f} s "
+          f"({r['engine_tok_per_s']:.0f} tok/s), transformers one by one "
+          f"{r['transformers_s']:.1f} s ({r['transformers_tok_per_s']:.0f} tok/s)")
     print(f"   throughput: {_verdict(r['throughput'], 'throughput')}")
 
 
 def _report_d(r):
     m = r["medians"]
-    print(f"d) fresh engine processes, medians of runs; first request: a {r['prompt_tokens']}-token prompt")
+    print(f"d) fresh engine processes, medians of runs; first request: "
+          f"a {r['prompt_tokens']}-token prompt")
     for fmt in ("mmap", "eager"):
         warm, skip = m[f"{fmt}_warm"], m[f"{fmt}_skip"]
-        print(f"   {fmt:5}: /health 200 after {warm['ready_s']:.2f} s (listening at {warm['listening_s']:.2f} s; "
-              f"{skip['ready_s']:.2f} s with --skip-server-warmup); first TTFT {warm['first_ttft_s'] * 1e3:.0f} ms "
-              f"warmed vs {skip['first_ttft_s'] * 1e3:.0f} ms skipped: {r['first_ttft_skip_over_warm'][fmt]:.2f}x; "
-              f"second TTFT {warm['second_ttft_s'] * 1e3:.0f} / {skip['second_ttft_s'] * 1e3:.0f} ms")
+        print(f"   {fmt:5}: /health 200 after {warm['ready_s']:.2f} s "
+              f"(listening at {warm['listening_s']:.2f} s; "
+              f"{skip['ready_s']:.2f} s with --skip-server-warmup); "
+              f"first TTFT {warm['first_ttft_s'] * 1e3:.0f} ms "
+              f"warmed vs {skip['first_ttft_s'] * 1e3:.0f} ms skipped: "
+              f"{r['first_ttft_skip_over_warm'][fmt]:.2f}x; "
+              f"second TTFT {warm['second_ttft_s'] * 1e3:.0f} / "
+              f"{skip['second_ttft_s'] * 1e3:.0f} ms")
 
 
 def run_report_save(run, report, args) -> int:
@@ -306,13 +322,15 @@ def run_report_save(run, report, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.serving", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.serving",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c,d")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the engine and transformers alike (default: torch's)")
+                   help="torch CPU threads for the engine and transformers alike "
+                        "(default: torch's)")
     p.add_argument("--out", default=None, help="save results as JSON here")
     args = p.parse_args(argv)
     if args.threads:

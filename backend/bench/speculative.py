@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding vs plain decoding: `python -m prefixgate.backend.bench.speculative`.
+"""Prompt-lookup speculative decoding vs plain: `python -m prefixgate.backend.bench.speculative`.
 
 Two engines on the same model and engine args, one with `--speculative-config` (default
 {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}), driven directly
@@ -11,7 +11,8 @@ median over its requests of (last token - first token) / (tokens - 1). Each engi
 and serves every round (fresh request ids each time; both first see every selected prompt once,
 so repeated prompts hit the prefix cache alike, which only makes the untimed prefill cheaper).
 The step budget has room for a whole batch's prompts, so a batch starts decoding (nearly)
-together; other engine args are the engine's defaults. Medians of `--rounds` and the ratio of the medians are reported.
+together; other engine args are the engine's defaults. Medians of `--rounds` and the ratio of
+the medians are reported.
 
 Workloads, picked reproducibly (`--seed`) from one greedy run of the baseline engine over
 candidate prompts of `--prompt-tokens` tokens, 3 families of `--candidates` each: slices of
@@ -55,17 +56,20 @@ DEFAULT_SPEC = {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_loo
 GATES_OFF = {"disable_by_batch_size": 1 << 30, "min_acceptance_rate": 0.0}
 TARGETS = {"quoting_speedup_b1": 1.8, "quoting_min_acceptance_length": 3.0, "free_ratio": 0.95}
 FAMILIES = ("text", "random", "repeat")
+SPEC_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 _LOW_IDS = 16                    # ids below this are left out of random prompts (special tokens)
 
 
 # --- candidates and their selection ---------------------------------------------------------
 
-def candidates(tokenizer, vocab: int, per_family: int, prompt_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
+def candidates(tokenizer, vocab: int, per_family: int, prompt_tokens: int,
+               seed: int) -> list[tuple[str, list[int]]]:
     """(family, prompt ids): text slices, random ids, a short random pattern repeated."""
     from prefixgate.backend.demo import corpus_texts
 
     rng = random.Random(seed)
-    texts = [ids for ids in (tokenizer.encode(t) for t in corpus_texts()) if len(ids) > prompt_tokens]
+    texts = [ids for ids in (tokenizer.encode(t) for t in corpus_texts())
+             if len(ids) > prompt_tokens]
     out = []
     for _ in range(per_family):
         ids = rng.choice(texts)
@@ -109,13 +113,15 @@ def select(pool: list[tuple[str, list[int]]], outputs: list[list[int]], cfg, arg
     if args.free_temperature > 0:
         free = text[:need]
     else:
-        free = sorted((s for s in text if s[0] <= args.free_max_predicted), key=lambda s: s[0])[:need]
+        free = sorted((s for s in text if s[0] <= args.free_max_predicted),
+                      key=lambda s: s[0])[:need]
         if not free:
             free = sorted(text, key=lambda s: s[0])[:1]
             fallback.append("free")
-    qualified = {f: sum(1 for s in scored if s[1] == f and s[0] >= args.min_predicted) for f in FAMILIES}
-    info = {"candidates": len(pool), "quoting_qualified_by_family": qualified, "none_qualified": fallback,
-            "quoting_prompts": len(quoting), "free_prompts": len(free),
+    qualified = {f: sum(1 for s in scored if s[1] == f and s[0] >= args.min_predicted)
+                 for f in FAMILIES}
+    info = {"candidates": len(pool), "quoting_qualified_by_family": qualified,
+            "none_qualified": fallback, "quoting_prompts": len(quoting), "free_prompts": len(free),
             "predicted_tokens_per_step": {
                 "all_median": statistics.median(s[0] for s in scored),
                 "quoting_median": statistics.median(s[0] for s in quoting),
@@ -176,7 +182,7 @@ class _Arm:
                "outputs": [self.reqs[rid].tokens for rid in self.ids]}
         if self.before is not None:
             now = self.engine.spec_stats()
-            out["spec"] = {k: now[k] - self.before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            out["spec"] = {k: now[k] - self.before[k] for k in SPEC_COUNTS}
         return out
 
 
@@ -217,9 +223,11 @@ def build_engines(args, spec_cfg):
     # A budget with room for a whole batch's prompts, so a cell's requests start decoding
     # within a step or two; everything else is the engine's defaults.
     k = spec_cfg.num_speculative_tokens
-    common = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    common = dict(model=args.model, device=args.device, dtype=args.dtype,
+                  kv_cache_memory=args.kv_cache_memory,
                   max_num_seqs=max(64, max(args.batches), len(FAMILIES) * args.candidates),
-                  max_num_batched_tokens=max(2048, max(args.batches) * (args.prompt_tokens + k + 1)))
+                  max_num_batched_tokens=max(2048,
+                                             max(args.batches) * (args.prompt_tokens + k + 1)))
     base = LLMEngine(EngineArgs(**common))
     spec = LLMEngine(EngineArgs(**common, speculative_config=spec_cfg))
     return base, spec
@@ -227,11 +235,12 @@ def build_engines(args, spec_cfg):
 
 def run(args) -> dict:
     """The whole benchmark for parsed `args` (see `parse_args`); returns the JSON-able result."""
-    from prefixgate.backend.sampling import SamplingParams
     from prefixgate.backend.config import parse_speculative_config
+    from prefixgate.backend.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    raw = dict(DEFAULT_SPEC if args.speculative_config is None else json.loads(args.speculative_config))
+    raw = dict(DEFAULT_SPEC if args.speculative_config is None
+               else json.loads(args.speculative_config))
     if args.sweep:
         raw.update(GATES_OFF)
     spec_cfg = parse_speculative_config(raw)
@@ -275,22 +284,29 @@ def run(args) -> dict:
 
 
 def _cell(workload: str, batch: int, s: dict, args) -> dict:
-    med = {arm: {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_per_s", "tpot_p50_s", "tokens_per_seq_step")}
+    med = {arm: {k: statistics.median(r[k] for r in runs)
+                 for k in ("decode_tok_per_s", "tpot_p50_s", "tokens_per_seq_step")}
            for arm, runs in s.items()}
-    spec = {k: sum(r["spec"][k] for r in s["spec"]) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    pairs = [sp["decode_tok_per_s"] / b["decode_tok_per_s"] for b, sp in zip(s["baseline"], s["spec"]) if b["decode_tok_per_s"]]
-    same = [a == b for rb, rs in zip(s["baseline"], s["spec"]) for a, b in zip(rb["outputs"], rs["outputs"])]
+    spec = {k: sum(r["spec"][k] for r in s["spec"]) for k in SPEC_COUNTS}
+    pairs = [sp["decode_tok_per_s"] / b["decode_tok_per_s"]
+             for b, sp in zip(s["baseline"], s["spec"]) if b["decode_tok_per_s"]]
+    same = [a == b for rb, rs in zip(s["baseline"], s["spec"])
+            for a, b in zip(rb["outputs"], rs["outputs"])]
     greedy = workload == "quoting" or args.free_temperature == 0
     return {"workload": workload, "batch": batch, "rounds": len(s["spec"]),
             "baseline": med["baseline"], "spec": med["spec"],
-            "samples_decode_tok_per_s": {arm: [r["decode_tok_per_s"] for r in runs] for arm, runs in s.items()},
+            "samples_decode_tok_per_s": {arm: [r["decode_tok_per_s"] for r in runs]
+                                         for arm, runs in s.items()},
             "ratio": (med["spec"]["decode_tok_per_s"] / med["baseline"]["decode_tok_per_s"]
                       if med["baseline"]["decode_tok_per_s"] else 0.0),
-            "tpot_ratio": (med["baseline"]["tpot_p50_s"] / med["spec"]["tpot_p50_s"] if med["spec"]["tpot_p50_s"] else 0.0),
+            "tpot_ratio": (med["baseline"]["tpot_p50_s"] / med["spec"]["tpot_p50_s"]
+                           if med["spec"]["tpot_p50_s"] else 0.0),
             "paired_ratio_median": statistics.median(pairs) if pairs else 0.0,
             **spec,
-            "mean_acceptance_length": 1 + spec["num_accepted_tokens"] / spec["num_drafts"] if spec["num_drafts"] else 1.0,
-            "acceptance_rate": spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else 0.0,
+            "mean_acceptance_length": (1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+                                       if spec["num_drafts"] else 1.0),
+            "acceptance_rate": (spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+                                if spec["num_draft_tokens"] else 0.0),
             # greedy: the speculative engine must give the baseline's tokens (float ties aside)
             "same_output_fraction": (sum(same) / len(same) if same else None) if greedy else None}
 
@@ -305,7 +321,8 @@ def _targets(cells) -> dict:
     if q is not None:
         applies = q["mean_acceptance_length"] >= TARGETS["quoting_min_acceptance_length"]
         t["quoting_b1"] = {"ratio": q["ratio"], "target": TARGETS["quoting_speedup_b1"],
-                           "mean_acceptance_length": q["mean_acceptance_length"], "applies": applies,
+                           "mean_acceptance_length": q["mean_acceptance_length"],
+                           "applies": applies,
                            "pass": q["ratio"] >= TARGETS["quoting_speedup_b1"] if applies else None}
     for b in (1, 16):
         f = _find(cells, "free", b)
@@ -320,29 +337,37 @@ def _targets(cells) -> dict:
 def report(r: dict) -> None:
     c, sel = r["config"], r["selection"]
     gates = " (gates off: sweep)" if c["sweep"] else ""
-    print(f"speculative decoding (prompt lookup {json.dumps(r['config']['speculative_config'])}){gates}")
-    print(f"  model {c['model']} on {c['device']} ({c['dtype_resolved']}), {c['max_tokens']} tokens per request, "
-          f"median of {c['rounds']} rounds, decode only (timed from each request's first token)")
+    print(f"speculative decoding (prompt lookup "
+          f"{json.dumps(r['config']['speculative_config'])}){gates}")
+    print(f"  model {c['model']} on {c['device']} ({c['dtype_resolved']}), "
+          f"{c['max_tokens']} tokens per request, median of {c['rounds']} rounds, decode only "
+          f"(timed from each request's first token)")
     q = sel["quoting_qualified_by_family"]
     p = sel["predicted_tokens_per_step"]
-    print(f"  selection: {sel['candidates']} candidates, greedy once; quoting = {sel['quoting_prompts']} prompts "
+    print(f"  selection: {sel['candidates']} candidates, greedy once; "
+          f"quoting = {sel['quoting_prompts']} prompts "
           f"with predicted >= {c['min_predicted']} tokens/step (qualified: "
           + ", ".join(f"{k} {v}" for k, v in q.items())
           + f"), free = {sel['free_prompts']} text prompts; predicted tokens/step median: all "
           f"{p['all_median']:.2f}, quoting {p['quoting_median']:.2f}, free {p['free_median']:.2f}")
     for w in sel["none_qualified"]:
-        print(f"  WARNING: no candidate qualified for {w}; it runs on the closest one (see predicted tokens/step)")
+        print(f"  WARNING: no candidate qualified for {w}; it runs on the closest one "
+              f"(see predicted tokens/step)")
     print(f"  {'workload':<8} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'TPOT p50 base':>13} {'spec':>8} {'acc.len':>7} {'acc.rate':>8} {'tok/step':>8} {'same':>5}")
+          f"{'TPOT p50 base':>13} {'spec':>8} {'acc.len':>7} {'acc.rate':>8} {'tok/step':>8} "
+          f"{'same':>5}")
     for cell in r["cells"]:
         b, s = cell["baseline"], cell["spec"]
-        same = "-" if cell["same_output_fraction"] is None else f"{cell['same_output_fraction']:.0%}"
-        print(f"  {cell['workload']:<8} {cell['batch']:>5} {b['decode_tok_per_s']:>10.1f} {s['decode_tok_per_s']:>10.1f} "
-              f"{cell['ratio']:>5.2f}x {b['tpot_p50_s'] * 1e3:>10.2f} ms {s['tpot_p50_s'] * 1e3:>5.2f} ms "
+        same = cell["same_output_fraction"]
+        same = "-" if same is None else f"{same:.0%}"
+        print(f"  {cell['workload']:<8} {cell['batch']:>5} {b['decode_tok_per_s']:>10.1f} "
+              f"{s['decode_tok_per_s']:>10.1f} {cell['ratio']:>5.2f}x "
+              f"{b['tpot_p50_s'] * 1e3:>10.2f} ms {s['tpot_p50_s'] * 1e3:>5.2f} ms "
               f"{cell['mean_acceptance_length']:>7.2f} {cell['acceptance_rate']:>8.2f} "
               f"{s['tokens_per_seq_step']:>8.2f} {same:>5}")
-    print("  (acc.len = 1 + accepted/drafts; acc.rate = accepted/draft tokens; tok/step = tokens per sequence "
-          "per decode step, speculative; same = greedy outputs equal to the baseline's)")
+    print("  (acc.len = 1 + accepted/drafts; acc.rate = accepted/draft tokens; "
+          "tok/step = tokens per sequence per decode step, speculative; "
+          "same = greedy outputs equal to the baseline's)")
     if c["sweep"]:
         _report_sweep(r["sweep"])
     else:
@@ -359,13 +384,15 @@ def _report_targets(t: dict) -> None:
     if "quoting_b1" in t:
         q = t["quoting_b1"]
         cond = f"mean acceptance length {q['mean_acceptance_length']:.2f}"
-        verdict = _verdict(q["pass"]) if q["applies"] else f"N/A ({cond} < {TARGETS['quoting_min_acceptance_length']})"
-        print(f"  (a) quoting, batch 1: {q['ratio']:.2f}x, target >= {q['target']}x when mean acceptance "
-              f"length >= {TARGETS['quoting_min_acceptance_length']:g} ({cond}): {verdict}")
+        least = TARGETS["quoting_min_acceptance_length"]
+        verdict = _verdict(q["pass"]) if q["applies"] else f"N/A ({cond} < {least})"
+        print(f"  (a) quoting, batch 1: {q['ratio']:.2f}x, target >= {q['target']}x when mean "
+              f"acceptance length >= {least:g} ({cond}): {verdict}")
     for b in (1, 16):
         if f"free_b{b}" in t:
             f = t[f"free_b{b}"]
-            print(f"  (b) free, batch {b}: {f['ratio']:.2f}x, target >= {f['target']}x: {_verdict(f['pass'])}")
+            print(f"  (b) free, batch {b}: {f['ratio']:.2f}x, target >= {f['target']}x: "
+                  f"{_verdict(f['pass'])}")
 
 
 def sweep_summary(cells) -> dict:
@@ -378,7 +405,8 @@ def sweep_summary(cells) -> dict:
         if f is None:
             continue
         (af, rf), (aq, rq) = (f["acceptance_rate"], f["ratio"]), (q["acceptance_rate"], q["ratio"])
-        even = af + (1 - rf) * (aq - af) / (rq - rf) if rq != rf and min(rf, rq) < 1 <= max(rf, rq) else None
+        crosses = rq != rf and min(rf, rq) < 1 <= max(rf, rq)
+        even = af + (1 - rf) * (aq - af) / (rq - rf) if crosses else None
         rows[q["batch"]] = {"quoting_ratio": rq, "free_ratio": rf, "quoting_acceptance_rate": aq,
                             "free_acceptance_rate": af, "break_even_acceptance_rate": even}
     paying = [b for b, r in rows.items() if r["quoting_ratio"] >= 1.0]
@@ -386,38 +414,55 @@ def sweep_summary(cells) -> dict:
 
 
 def _report_sweep(summary: dict) -> None:
-    print("sweep (gates off): spec/baseline decode tok/s, and the acceptance rate where drafting breaks even")
-    print(f"  {'batch':>5} {'quoting':>8} {'(acc.rate)':>10} {'free':>6} {'(acc.rate)':>10} {'break-even acc.rate':>20}")
+    print("sweep (gates off): spec/baseline decode tok/s, and the acceptance rate where drafting "
+          "breaks even")
+    print(f"  {'batch':>5} {'quoting':>8} {'(acc.rate)':>10} {'free':>6} {'(acc.rate)':>10} "
+          f"{'break-even acc.rate':>20}")
     for b, r in summary["by_batch"].items():
-        even = "-" if r["break_even_acceptance_rate"] is None else f"{r['break_even_acceptance_rate']:.2f}"
-        print(f"  {b:>5} {r['quoting_ratio']:>7.2f}x {r['quoting_acceptance_rate']:>10.2f} {r['free_ratio']:>5.2f}x "
-              f"{r['free_acceptance_rate']:>10.2f} {even:>20}")
+        even = r["break_even_acceptance_rate"]
+        even = "-" if even is None else f"{even:.2f}"
+        print(f"  {b:>5} {r['quoting_ratio']:>7.2f}x {r['quoting_acceptance_rate']:>10.2f} "
+              f"{r['free_ratio']:>5.2f}x {r['free_acceptance_rate']:>10.2f} {even:>20}")
     top = summary["largest_batch_quoting_pays"]
     print(f"  disable_by_batch_size: quoting still pays up to batch {top} here (largest batch run: "
-          f"{max(summary['by_batch'], default=0)})" if top else "  disable_by_batch_size: quoting pays at no batch run")
-    print("  the bar: free generation's ratio is what drafting costs without it; the break-even rate (linear "
-          "between the two workloads) is what the engine's fitted bar should track at that batch")
+          f"{max(summary['by_batch'], default=0)})" if top
+          else "  disable_by_batch_size: quoting pays at no batch run")
+    print("  the bar: free generation's ratio is what drafting costs without it; the break-even "
+          "rate (linear between the two workloads) is what the engine's fitted bar should track "
+          "at that batch")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.speculative", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.speculative",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help="model directory, or demo (default)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per engine (two are built)")
-    p.add_argument("--speculative-config", default=None, help=f"JSON (default {json.dumps(DEFAULT_SPEC)})")
-    p.add_argument("--batches", default=None, help="comma list (default 1,16; with --sweep 1,4,16,32,64)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per arm (default 3)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128)")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="candidate prompt length (default 96)")
-    p.add_argument("--candidates", type=int, default=None, help="candidates per family (default 24)")
-    p.add_argument("--min-predicted", type=float, default=2.0, help="quoting: predicted tokens/step at least")
-    p.add_argument("--free-max-predicted", type=float, default=1.2, help="free: predicted tokens/step at most")
+    p.add_argument("--speculative-config", default=None,
+                   help=f"JSON (default {json.dumps(DEFAULT_SPEC)})")
+    p.add_argument("--batches", default=None,
+                   help="comma list (default 1,16; with --sweep 1,4,16,32,64)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds per arm (default 3)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per request (default 128)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="candidate prompt length (default 96)")
+    p.add_argument("--candidates", type=int, default=None,
+                   help="candidates per family (default 24)")
+    p.add_argument("--min-predicted", type=float, default=2.0,
+                   help="quoting: predicted tokens/step at least")
+    p.add_argument("--free-max-predicted", type=float, default=1.2,
+                   help="free: predicted tokens/step at most")
     p.add_argument("--free-temperature", type=float, default=0.0,
-                   help="free: sample at this temperature (seeded) instead of greedy non-looping text")
+                   help="free: sample at this temperature (seeded) instead of greedy "
+                        "non-looping text")
     p.add_argument("--sweep", action="store_true", help="gates off, batches 1,4,16,32,64")
-    p.add_argument("--quick", action="store_true", help="tiny run: 1 round, 16 tokens, 4 candidates per family")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny run: 1 round, 16 tokens, 4 candidates per family")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default=None, help="save results as JSON here")

@@ -9,5 +9,6 @@ __all__ = ["LlamaConfig", "LlamaForCausalLM", "build_model"]
 
 
 def build_model(config: LlamaConfig) -> nn.Module:
-    """An uninitialised model for `config`; use under `torch.device("meta")` before loading weights."""
+    """An uninitialised model for `config`; build it under `torch.device("meta")`, then load the
+    weights."""
     return LlamaForCausalLM(config)

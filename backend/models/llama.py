@@ -44,7 +44,7 @@ class LlamaConfig:
     torch_dtype: str | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
+    def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
         path = Path(model_dir) / "config.json"
         try:
             raw = json.loads(path.read_text())
@@ -55,7 +55,7 @@ class LlamaConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "LlamaConfig":
+    def from_dict(cls, raw: dict) -> LlamaConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError("", f"model_type {model_type!r} is not supported "
@@ -85,7 +85,7 @@ class LlamaConfig:
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:
-    """rope_theta and scaling, from either the classic keys or transformers 5's `rope_parameters`."""
+    """rope_theta and scaling, from the classic keys or transformers 5's `rope_parameters`."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -102,7 +102,8 @@ def _rope_settings(raw: dict) -> tuple[float, dict | None]:
 
 
 def _context_limit(raw: dict) -> int:
-    """Usable context. A sliding window (Mistral v0.1) caps it: this engine attends to everything."""
+    """Usable context. A sliding window (Mistral v0.1) caps it: this engine attends to
+    everything."""
     limit = int(raw.get("max_position_embeddings") or 4096)
     window = raw.get("sliding_window")
     uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
@@ -130,7 +131,8 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     """Per-pair rotation speeds; Llama-3 scaling slows the low frequencies for long context."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     s = config.rope_scaling
     if s is None:
         return inv_freq
@@ -151,7 +153,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -218,7 +221,8 @@ class LlamaModel(nn.Module):
         # Handing in the (empty) weight skips random init: every weight comes from the checkpoint,
         # and normal_() on the meta device would pull in torch._dynamo (a second of start-up).
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

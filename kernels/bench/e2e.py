@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
-QWEN2_0_5B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-              "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
+QWEN2_0_5B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+              "tie_word_embeddings": True}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "tie_word_embeddings": True}
 
 
 def make_model_dir(out: Path, shape: dict, seed: int = 0) -> Path:
@@ -31,15 +33,17 @@ def make_model_dir(out: Path, shape: dict, seed: int = 0) -> Path:
     from prefixgate.backend.models import LlamaConfig, build_model
 
     tok = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog 0123456789"] * 8, 300)
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "head_dim": shape["hidden_size"]
-              // shape["num_attention_heads"], "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "attention_bias": True, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+              "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "attention_bias": True, "hidden_act": "silu", "torch_dtype": "bfloat16",
               "bos_token_id": None, "eos_token_id": tok.token_to_id("<|im_end|>"), **shape}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer_files(out, tok, model_max_length=32768)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in build_model(LlamaConfig.from_dict(config)).named_parameters()}
+        meta_model = build_model(LlamaConfig.from_dict(config))
+        shapes = {n: tuple(p.shape) for n, p in meta_model.named_parameters()}
     gen = torch.Generator().manual_seed(seed)
     std, resid = 0.02, 0.02 / (2 * shape["num_hidden_layers"]) ** 0.5
     tensors = {}
@@ -55,10 +59,12 @@ def make_model_dir(out: Path, shape: dict, seed: int = 0) -> Path:
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(n)]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+            for _ in range(n)]
 
 
-def run_engine(model_dir: Path, device: str, backend: str, eager: bool, requests, cpu: bool) -> dict:
+def run_engine(model_dir: Path, device: str, backend: str, eager: bool, requests,
+               cpu: bool) -> dict:
     from prefixgate.backend.config import EngineArgs
     from prefixgate.backend.engine import LLMEngine
     from prefixgate.backend.sampling import SamplingParams
@@ -75,8 +81,8 @@ def run_engine(model_dir: Path, device: str, backend: str, eager: bool, requests
         first: dict[str, float] = {}
         arrival = time.monotonic()
         for i, (ids, out_len) in enumerate(batch):
-            engine.add_request(f"{tag}{i}", ids, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True),
-                               arrival_time=arrival)
+            params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"{tag}{i}", ids, params, arrival_time=arrival)
         tokens = 0
         t = time.perf_counter()
         while engine.has_work():
@@ -87,10 +93,10 @@ def run_engine(model_dir: Path, device: str, backend: str, eager: bool, requests
 
     drive(requests[:2], "warm")      # Triton JIT and allocator warm-up, outside the timing
     tokens, elapsed, ttft = drive(requests, "r")
-    return {"backend": backend, "cuda_graphs": not eager and device == "cuda", "requests": len(requests),
-            "output_tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed,
-            "ttft_median_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "startup_s": startup_s}
+    return {"backend": backend, "cuda_graphs": not eager and device == "cuda",
+            "requests": len(requests), "output_tokens": tokens, "elapsed_s": elapsed,
+            "tokens_per_s": tokens / elapsed, "ttft_median_s": statistics.median(ttft),
+            "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))], "startup_s": startup_s}
 
 
 def bench_e2e(a, device: str) -> dict:

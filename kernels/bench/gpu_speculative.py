@@ -29,11 +29,13 @@ def bench_spec(a, device: str) -> dict:
             model = str(make_model_dir(Path(tmp) / "qwen2-random", QWEN2_0_5B))
         else:
             model = a.spec_model
-        argv = ["--model", model, "--device", device, "--batches", a.spec_batches, "--rounds", str(a.spec_rounds)]
+        argv = ["--model", model, "--device", device, "--batches", a.spec_batches,
+                "--rounds", str(a.spec_rounds)]
         if cpu:
             argv += ["--quick", "--dtype", "float32"]
         args = sd.parse_args(argv)
         result = sd.run(args)
     sd.report(result)
-    print(json.dumps({f"{c['workload']}_b{c['batch']}_ratio": c["ratio"] for c in result["cells"]}), flush=True)
+    ratios = {f"{c['workload']}_b{c['batch']}_ratio": c["ratio"] for c in result["cells"]}
+    print(json.dumps(ratios), flush=True)
     return result

@@ -51,7 +51,7 @@ def median_ms(fn, iters: int, warmup: int = 3) -> float:
 
 
 def paged_kv(batch, ctx, kv_heads, head_dim, block_size, dtype, device, fp8=False):
-    """Caches holding `batch` sequences of `ctx` tokens on shuffled blocks, plus contiguous copies."""
+    """Caches of `batch` sequences of `ctx` tokens on shuffled blocks, plus contiguous copies."""
     pages = -(-ctx // block_size)
     perm = torch.randperm(batch * pages, device=device)
     tables = perm.view(batch, pages).to(torch.int32)
@@ -69,37 +69,48 @@ def sdpa(q, k, v, groups, **kw):
     try:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=groups > 1, **kw)
     except (TypeError, RuntimeError):
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kw)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                              v.repeat_interleave(groups, 1), **kw)
 
 
 def bench_decode(a, device) -> list[dict]:
-    from prefixgate.kernels import paged_decode_attention
     rows = []
     for kv_dtype in a.kv_dtypes:
-        fp8 = kv_dtype == "fp8"
         for ctx in a.contexts:
-            torch.manual_seed(0)
-            k, v, tables, (kc, vc) = paged_kv(a.batch, ctx, a.kv_heads, a.head_dim, a.block_size, a.dtype, device, fp8)
-            q = torch.randn(a.batch, a.heads, a.head_dim, device=device, dtype=a.dtype)
-            lens = torch.full((a.batch,), ctx, dtype=torch.int32, device=device)
-            scale = a.head_dim ** -0.5
-            run = lambda backend: paged_decode_attention(q, k, v, tables, lens, scale, backend=backend)  # noqa: E731
-            row = {"kv_dtype": kv_dtype, "batch": a.batch, "context": ctx, "triton_ms": median_ms(lambda: run("triton"), a.iters)}
-            kv_bytes = 2 * a.batch * ctx * a.kv_heads * a.head_dim * k.element_size()
-            row["gb_per_s"] = kv_bytes / (row["triton_ms"] * 1e-3) / 1e9
-            row["fraction_of_h200_peak"] = row["gb_per_s"] * 1e9 / H200_BYTES_PER_S
-            if not fp8:
-                q4 = q[:, :, None, :]
-                row["sdpa_contiguous_ms"] = median_ms(
-                    lambda: sdpa(q4, kc, vc, a.heads // a.kv_heads, scale=scale), a.iters)
-                row["speedup_vs_sdpa"] = row["sdpa_contiguous_ms"] / row["triton_ms"]
-            if ctx <= a.ref_max_context:
-                row["reference_ms"] = median_ms(lambda: run("torch"), max(3, a.iters // 4), warmup=1)
-                row["speedup_vs_reference"] = row["reference_ms"] / row["triton_ms"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del k, v, kc, vc
+            rows.append(decode_row(a, device, kv_dtype, ctx))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def decode_row(a, device, kv_dtype: str, ctx: int) -> dict:
+    """One decode shape, timed. Its tensors live in this frame only, so they are freed when it
+    returns, before the next shape allocates its own."""
+    from prefixgate.kernels import paged_decode_attention
+    fp8 = kv_dtype == "fp8"
+    torch.manual_seed(0)
+    k, v, tables, (kc, vc) = paged_kv(a.batch, ctx, a.kv_heads, a.head_dim, a.block_size,
+                                      a.dtype, device, fp8)
+    q = torch.randn(a.batch, a.heads, a.head_dim, device=device, dtype=a.dtype)
+    lens = torch.full((a.batch,), ctx, dtype=torch.int32, device=device)
+    scale = a.head_dim ** -0.5
+
+    def run(backend):
+        return paged_decode_attention(q, k, v, tables, lens, scale, backend=backend)
+
+    row = {"kv_dtype": kv_dtype, "batch": a.batch, "context": ctx,
+           "triton_ms": median_ms(lambda: run("triton"), a.iters)}
+    kv_bytes = 2 * a.batch * ctx * a.kv_heads * a.head_dim * k.element_size()
+    row["gb_per_s"] = kv_bytes / (row["triton_ms"] * 1e-3) / 1e9
+    row["fraction_of_h200_peak"] = row["gb_per_s"] * 1e9 / H200_BYTES_PER_S
+    if not fp8:
+        q4 = q[:, :, None, :]
+        row["sdpa_contiguous_ms"] = median_ms(
+            lambda: sdpa(q4, kc, vc, a.heads // a.kv_heads, scale=scale), a.iters)
+        row["speedup_vs_sdpa"] = row["sdpa_contiguous_ms"] / row["triton_ms"]
+    if ctx <= a.ref_max_context:
+        row["reference_ms"] = median_ms(lambda: run("torch"), max(3, a.iters // 4), warmup=1)
+        row["speedup_vs_reference"] = row["reference_ms"] / row["triton_ms"]
+    return row
 
 
 def causal_flops(q_len: int, ctx: int, heads: int, head_dim: int) -> float:
@@ -110,56 +121,68 @@ def causal_flops(q_len: int, ctx: int, heads: int, head_dim: int) -> float:
 
 
 def bench_prefill(a, device) -> list[dict]:
-    from prefixgate.kernels import paged_prefill_attention
     rows = []
     for ctx in a.prefill_contexts:
-        torch.manual_seed(0)
-        batch, q_len = max(1, a.prefill_tokens // ctx), ctx // 2
-        k, v, tables, (kc, vc) = paged_kv(batch, ctx, a.kv_heads, a.head_dim, a.block_size, a.dtype, device)
-        q = torch.randn(batch * q_len, a.heads, a.head_dim, device=device, dtype=a.dtype)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
-        scale = a.head_dim ** -0.5
-        run = lambda backend: paged_prefill_attention(q, k, v, tables, lens, qsl, scale, backend=backend)  # noqa: E731
-        row = {"batch": batch, "context": ctx, "cached_prefix": ctx - q_len, "new_tokens": q_len,
-               "triton_ms": median_ms(lambda: run("triton"), a.iters)}
-        flops = batch * causal_flops(q_len, ctx, a.heads, a.head_dim)
-        row["tflop_per_s"] = flops / (row["triton_ms"] * 1e-3) / 1e12
-        q4 = q.view(batch, q_len, a.heads, a.head_dim).transpose(1, 2)
-        try:
-            from torch.nn.attention.bias import causal_lower_right
-            mask = causal_lower_right(q_len, ctx)
-            # the CausalBias path does not take enable_gqa: expand KV heads once, outside the timing
-            g = a.heads // a.kv_heads
-            ke, ve = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
-            row["sdpa_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask, scale=scale),
-                                       a.iters)
-            row["sdpa_tflop_per_s"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
-            row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["triton_ms"]
-            del ke, ve
-        except Exception as e:   # report, don't die: the kernel figures still stand
-            row["sdpa_error"] = repr(e)[:200]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del k, v, kc, vc
+        rows.append(prefill_row(a, device, ctx))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def prefill_row(a, device, ctx: int) -> dict:
+    """One prefill shape, timed; like `decode_row`, its tensors are freed when it returns."""
+    from prefixgate.kernels import paged_prefill_attention
+    torch.manual_seed(0)
+    batch, q_len = max(1, a.prefill_tokens // ctx), ctx // 2
+    k, v, tables, (kc, vc) = paged_kv(batch, ctx, a.kv_heads, a.head_dim, a.block_size, a.dtype,
+                                      device)
+    q = torch.randn(batch * q_len, a.heads, a.head_dim, device=device, dtype=a.dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+    scale = a.head_dim ** -0.5
+
+    def run(backend):
+        return paged_prefill_attention(q, k, v, tables, lens, qsl, scale, backend=backend)
+
+    row = {"batch": batch, "context": ctx, "cached_prefix": ctx - q_len, "new_tokens": q_len,
+           "triton_ms": median_ms(lambda: run("triton"), a.iters)}
+    flops = batch * causal_flops(q_len, ctx, a.heads, a.head_dim)
+    row["tflop_per_s"] = flops / (row["triton_ms"] * 1e-3) / 1e12
+    q4 = q.view(batch, q_len, a.heads, a.head_dim).transpose(1, 2)
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(q_len, ctx)
+        # the CausalBias path does not take enable_gqa: expand KV heads once, outside the timing
+        g = a.heads // a.kv_heads
+        ke, ve = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
+        row["sdpa_ms"] = median_ms(
+            lambda: F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask, scale=scale),
+            a.iters)
+        row["sdpa_tflop_per_s"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
+        row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["triton_ms"]
+    except Exception as e:   # report, don't die: the kernel figures still stand
+        row["sdpa_error"] = repr(e)[:200]
+    return row
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m prefixgate.kernels.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="decode,prefill,e2e,spec", help="comma list of: decode, prefill, e2e, spec")
+    p.add_argument("--only", default="decode,prefill,e2e,spec",
+                   help="comma list of: decode, prefill, e2e, spec")
     p.add_argument("--json", default=None, help="write results + config here")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes under TRITON_INTERPRET=1 on CPU")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    p.add_argument("--kv-dtypes", default="auto,fp8", help="decode KV cache dtypes: auto (= --dtype), fp8")
+    p.add_argument("--kv-dtypes", default="auto,fp8",
+                   help="decode KV cache dtypes: auto (= --dtype), fp8")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=64, help="decode batch")
     p.add_argument("--contexts", default="1024,8192,32768", help="decode contexts")
-    p.add_argument("--ref-max-context", type=int, default=8192, help="time the reference up to this context")
+    p.add_argument("--ref-max-context", type=int, default=8192,
+                   help="time the reference up to this context")
     p.add_argument("--prefill-contexts", default="4096,32768")
     p.add_argument("--prefill-tokens", type=int, default=32768, help="batch = this // context")
     p.add_argument("--iters", type=int, default=20)
@@ -168,7 +191,8 @@ def parse_args(argv):
                    help="requests for the reference-path run (same seed, a prefix of the workload)")
     p.add_argument("--e2e-min-len", type=int, default=100)
     p.add_argument("--e2e-max-len", type=int, default=1024)
-    p.add_argument("--spec-model", default="demo", help="spec part: demo, qwen2 (e2e's random 0.5B shape) or a model dir")
+    p.add_argument("--spec-model", default="demo",
+                   help="spec part: demo, qwen2 (e2e's random 0.5B shape) or a model dir")
     p.add_argument("--spec-batches", default="1,16")
     p.add_argument("--spec-rounds", type=int, default=5)
     a = p.parse_args(argv)
@@ -200,7 +224,8 @@ def main(argv=None) -> int:
     global DEVICE
     DEVICE = device
     results = {"config": {k: str(v) for k, v in vars(a).items()},
-               "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+               "device": (torch.cuda.get_device_name() if device == "cuda"
+                          else platform.processor() or "cpu"),
                "torch": torch.__version__}
     with torch.inference_mode():
         if "decode" in a.only:
