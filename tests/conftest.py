@@ -1,4 +1,5 @@
-"""Shared fixtures: real servers on loopback ports, started on the test's event loop."""
+"""Fixtures every area uses: real servers on loopback ports, started on the test's event loop
+(stand-ins and gateways), tiny models, and freeing each module's engines when it is done."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,12 +10,11 @@ import aiohttp.web_app
 import pytest
 import torch
 
-from model_factory import make_tiny_model
-
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.app import Gateway
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
+from tests.helpers import make_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,7 +42,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama checkpoint (tests/model_factory.py), one per module."""
+    """A tiny random Llama checkpoint (`make_tiny_model` in tests/helpers.py), one per module."""
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 

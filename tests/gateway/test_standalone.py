@@ -1,0 +1,34 @@
+"""`prefixgate serve` with no config: the bundled engine on the demo model behind the gateway."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+import openai
+
+from tests.helpers import Serving
+
+
+async def test_serve_with_no_config_answers_chat_requests(tmp_path):
+    env = {**os.environ, "PREFIXGATE_CACHE": str(tmp_path)}
+    async with Serving("--port", "0", env=env, timeout=120) as gw:
+        url, line = gw.url, gw.line
+        engine_port = int(re.search(r"engine0=http://127\.0\.0\.1:(\d+)", line).group(1))
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "system", "content": "Current time: 2026-03-15 14:22:31. Be brief."},
+                    {"role": "user", "content": "Hello!"}]
+        reply = await client.chat.completions.with_raw_response.create(
+            model="demo", messages=messages, max_tokens=8, temperature=0)
+        assert reply.headers["x-prefixgate-upstream"] == "engine0"
+        assert reply.headers["x-prefixgate-moved"] == "1"      # normalize is in the chain
+        chat = reply.parse()
+        assert chat.usage.completion_tokens == 8 and chat.choices[0].message.content
+        chunks = [c async for c in await client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=8, temperature=0, stream=True)]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == chat.choices[0].message.content
+        assert [m.id for m in (await client.models.list()).data] == ["demo"]
+        await client.close()
+    with socket.socket() as s:                    # the engine went down with the gateway
+        assert s.connect_ex(("127.0.0.1", engine_port)) != 0
