@@ -82,9 +82,10 @@ def build_chain(gw, items: list, reuse: dict | None = None) -> Chain:
     """The chain for `items` (and the FALLBACKS it needs); plugins in `reuse`
     ({key: [plugin]}) are kept as they are."""
     entries = [_entry(gw, i, item, reuse) for i, item in enumerate(items)]
-    provided = {field for _, p in entries for field in p.provides}
+    # getattr: a third-party plugin need not subclass Plugin
+    provided = {field for _, p in entries for field in getattr(p, "provides", ())}
     for i, (item, (_, p)) in enumerate(zip(items, entries)):
-        missing = next((n for n in p.needs if n.field not in provided), None)
+        missing = next((n for n in getattr(p, "needs", ()) if n.field not in provided), None)
         if missing is not None:
             raise ConfigError(missing.key, missing.why).under(
                 f"plugins[{i}].{plugin_entry(item)[0]}")
