@@ -15,9 +15,9 @@ import triton.language as tl
 from prefixgate.kernels.shared import is_fp8
 from prefixgate.kernels.triton_utils import (
     LOG2E,
+    attend_tile,
     dot_dtype,
     dot_in_fp32,
-    load_kv_tile,
     num_sms,
     pow2,
     scale_args,
@@ -66,18 +66,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_pt
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale,
-                         stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale,
-                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, tmask[None, :], k_ptr, v_ptr, bt_row, t,
+                                    tmask, kv_head, d, dmask, k_scale, v_scale, qk_scale,
+                                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                    stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE, PRECISION)
 
     omask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:

@@ -16,9 +16,9 @@ import triton.language as tl
 from prefixgate.kernels.shared import is_fp8
 from prefixgate.kernels.triton_utils import (
     LOG2E,
+    attend_tile,
     dot_dtype,
     dot_in_fp32,
-    load_kv_tile,
     pow2,
     scale_args,
 )
@@ -82,19 +82,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < kv_end
-        k = load_kv_tile(k_ptr, bt_row, t, tmask, kv_head, d, dmask, k_scale,
-                         stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
-        s = tl.where(tmask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # padded rows see no key at all
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_ptr, bt_row, t, tmask, kv_head, d, dmask, v_scale,
-                         stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
+        causal = tmask[None, :] & (t[None, :] <= pos[:, None])   # padded rows see no key at all
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, causal, k_ptr, v_ptr, bt_row, t,
+                                    tmask, kv_head, d, dmask, k_scale, v_scale, qk_scale,
+                                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                    stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE, PRECISION)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],

@@ -57,6 +57,31 @@ def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale,
     return x.to(DOT_DTYPE)
 
 
+@triton.jit
+def attend_tile(q, m_i, l_i, acc, visible, k_ptr, v_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask,
+                k_scale, v_scale, qk_scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """One online-softmax step (log2 domain: `qk_scale` includes log2 e) of the query rows `q`
+    over the keys and values at positions t, of which each row sees those `visible` marks:
+    the running row maxima, sums and output accumulator, updated.
+    """
+    k = load_kv_tile(k_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, k_scale,
+                     stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that sees no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_kv_tile(v_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, v_scale,
+                     stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 def dot_dtype(q: torch.Tensor):
     if dot_in_fp32(q):
         return tl.float32
