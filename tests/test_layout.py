@@ -214,6 +214,7 @@ def test_the_checkers_catch_what_they_forbid(tmp_path):
                                                 "prefixgate.proxy.names"]}
     write_tree(tmp_path, {"proxy/b.py": "", "proxy/c.py": "import prefixgate.proxy.a\n",
                           "proxy/__init__.py": "from prefixgate.proxy import a\n",  # re-export
-                          "common/up.py": "", "plugins/p.py": "from prefixgate.backend import config\n"})
+                          "common/up.py": "",
+                          "plugins/p.py": "from prefixgate.backend import config\n"})
     graph = import_graph(tmp_path)
     assert find_cycle(graph) is None and tool_imports(graph) == [] and layer_breaks(graph) == []
