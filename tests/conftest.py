@@ -2,17 +2,16 @@
 (stand-ins and gateways), tiny models, and freeing each module's engines when it is done."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gc
+from dataclasses import dataclass
 
 import aiohttp.web_app
 import pytest
 import torch
 
-from prefixgate.proxy.config import gateway as config_mod
-from prefixgate.proxy.app import Gateway
 from prefixgate.common.runtime import start_app
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.helpers import make_tiny_model
 

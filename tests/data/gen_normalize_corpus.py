@@ -39,7 +39,7 @@ B62 = string.ascii_letters + string.digits
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
-# --- values -------------------------------------------------------------------------------------
+# --- values --------------------------------------------------------------------------------------
 class Values:
     """Per-request values as real systems mint them."""
 
@@ -50,7 +50,8 @@ class Values:
         return "".join(self.rng.choice(HEX) for _ in range(n))
 
     def digits(self, n: int) -> str:
-        return str(self.rng.randint(1, 9)) + "".join(self.rng.choice(string.digits) for _ in range(n - 1))
+        lead = str(self.rng.randint(1, 9))       # no leading zero
+        return lead + "".join(self.rng.choice(string.digits) for _ in range(n - 1))
 
     def b62(self, n: int) -> str:
         return "".join(self.rng.choice(B62) for _ in range(n))
@@ -71,25 +72,32 @@ def _id_makers(v: Values) -> dict[str, list]:
     """For each identifier category, the shapes its values come in."""
     r = v.rng
     return {
-        "request_id": [lambda: "req_" + v.hex(r.randint(10, 16)), lambda: v.hex(r.choice([16, 20, 32])),
+        "request_id": [lambda: "req_" + v.hex(r.randint(10, 16)),
+                       lambda: v.hex(r.choice([16, 20, 32])),
                        v.uuid, lambda: "r-" + v.digits(r.randint(6, 9)), v.ulid,
                        lambda: "req-" + v.b62(12) + v.digits(2)],
-        "session_id": [lambda: "sess_" + v.b62(14) + v.digits(2), lambda: "s-" + v.digits(r.randint(5, 9)),
-                       v.uuid, lambda: v.hex(24), lambda: f"sess-2026{r.randint(1, 12):02d}{r.randint(1, 28):02d}-{v.digits(4)}"],
-        "conversation_id": [lambda: "conv_" + v.hex(r.randint(8, 12)), lambda: "thread_" + v.b62(20) + v.digits(3),
+        "session_id": [lambda: "sess_" + v.b62(14) + v.digits(2),
+                       lambda: "s-" + v.digits(r.randint(5, 9)),
+                       v.uuid, lambda: v.hex(24),
+                       lambda: f"sess-2026{r.randint(1, 12):02d}{r.randint(1, 28):02d}"
+                               f"-{v.digits(4)}"],
+        "conversation_id": [lambda: "conv_" + v.hex(r.randint(8, 12)),
+                            lambda: "thread_" + v.b62(20) + v.digits(3),
                             v.uuid, lambda: v.digits(r.randint(9, 12))],
         "trace_id": [lambda: v.hex(32), lambda: v.hex(16), v.uuid],
         "span_id": [lambda: v.hex(16)],
         "correlation_id": [v.uuid, lambda: v.hex(20), lambda: "corr-" + v.digits(8)],
         "user_id": [lambda: "u_" + v.digits(r.randint(5, 8)), lambda: v.digits(r.randint(6, 10)),
-                    lambda: "usr_" + v.b62(12) + v.digits(2), v.uuid, lambda: "cus_" + v.digits(3) + v.b62(11)],
-        "tenant_id": [lambda: "t_" + v.hex(8), lambda: "tenant-" + v.digits(r.randint(4, 6)), v.uuid,
-                      lambda: "ws_" + v.digits(2) + v.b62(8)],
+                    lambda: "usr_" + v.b62(12) + v.digits(2), v.uuid,
+                    lambda: "cus_" + v.digits(3) + v.b62(11)],
+        "tenant_id": [lambda: "t_" + v.hex(8), lambda: "tenant-" + v.digits(r.randint(4, 6)),
+                      v.uuid, lambda: "ws_" + v.digits(2) + v.b62(8)],
         "device_id": [lambda: "dev-" + v.hex(12), lambda: v.uuid().upper(), lambda: v.digits(15),
                       lambda: "AND-" + v.hex(8).upper()],
         "order_id": [lambda: f"ORD-2026-{v.digits(6)}", lambda: v.digits(r.randint(12, 18)),
                      lambda: "A" + v.digits(5), lambda: "SO" + v.digits(10)],
-        "build_id": [lambda: v.digits(r.randint(4, 8)), lambda: f"20260{r.randint(3, 4)}{r.randint(10, 28)}.{r.randint(1, 40)}",
+        "build_id": [lambda: v.digits(r.randint(4, 8)),
+                     lambda: f"20260{r.randint(3, 4)}{r.randint(10, 28)}.{r.randint(1, 40)}",
                      lambda: "bld-" + v.hex(8), lambda: "gh-" + v.digits(10)],
         "nonce": [lambda: v.hex(r.choice([16, 24, 32])), lambda: v.b62(20) + v.digits(2),
                   lambda: v.b62(10) + "-" + v.digits(3) + v.b62(8)],
@@ -98,25 +106,27 @@ def _id_makers(v: Values) -> dict[str, list]:
 
 # How people write each identifier's label, English and Chinese (not the detector's table).
 ID_LABELS = {
-    "request_id": (["Request ID", "request_id", "requestId", "RequestID", "X-Request-ID", "x-request-id",
-                    "Request-Id", "REQUEST_ID", "request id", "Req ID", "req_id", "reqId", "request.id"],
+    "request_id": (["Request ID", "request_id", "requestId", "RequestID", "X-Request-ID",
+                    "x-request-id", "Request-Id", "REQUEST_ID", "request id", "Req ID", "req_id",
+                    "reqId", "request.id"],
                    ["请求ID", "请求编号", "请求 ID", "请求id", "本次请求ID", "请求号", "请求的ID"]),
-    "session_id": (["Session ID", "session_id", "sessionId", "SessionID", "Session-Id", "SESSION_ID",
-                    "session id", "Current session ID", "sessionID"],
+    "session_id": (["Session ID", "session_id", "sessionId", "SessionID", "Session-Id",
+                    "SESSION_ID", "session id", "Current session ID", "sessionID"],
                    ["会话ID", "会话编号", "会话 ID", "会话号", "当前会话ID", "会话id"]),
     "conversation_id": (["Conversation ID", "conversation_id", "conversationId", "Conversation-Id",
                          "chat_id", "Chat ID", "thread_id", "Thread ID", "Dialog ID", "conv_id"],
                         ["对话ID", "对话编号", "聊天ID", "对话 ID", "对话的编号"]),
-    "trace_id": (["Trace ID", "trace_id", "traceId", "TraceID", "X-Trace-Id", "trace.id", "trace-id",
-                  "otel_trace_id"],
+    "trace_id": (["Trace ID", "trace_id", "traceId", "TraceID", "X-Trace-Id", "trace.id",
+                  "trace-id", "otel_trace_id"],
                  ["追踪ID", "链路ID", "跟踪编号", "调用链ID", "链路追踪ID"]),
-    "span_id": (["Span ID", "span_id", "spanId", "parent_span_id", "Parent Span ID", "span.id", "SpanID"],
+    "span_id": (["Span ID", "span_id", "spanId", "parent_span_id", "Parent Span ID", "span.id",
+                 "SpanID"],
                 ["Span ID", "spanId"]),
     "correlation_id": (["Correlation ID", "correlation_id", "correlationId", "X-Correlation-ID",
                         "Correlation-Id", "CORRELATION_ID"],
                        ["关联ID", "关联编号"]),
-    "user_id": (["User ID", "user_id", "userId", "UserID", "Customer ID", "customer_id", "Member ID",
-                 "memberId", "UID", "uid"],
+    "user_id": (["User ID", "user_id", "userId", "UserID", "Customer ID", "customer_id",
+                 "Member ID", "memberId", "UID", "uid"],
                 ["用户ID", "用户编号", "客户编号", "会员号", "用户 ID", "UID", "用户的ID"]),
     "tenant_id": (["Tenant ID", "tenant_id", "tenantId", "TenantID", "Tenant-Id", "workspace_id",
                    "Workspace ID"],
@@ -125,8 +135,8 @@ ID_LABELS = {
                   ["设备ID", "设备号", "设备编号", "终端号", "设备 ID"]),
     "order_id": (["Order ID", "order_id", "orderId", "Order Id", "ORDER_ID"],
                  ["订单号", "订单编号", "订单ID", "订单 ID"]),
-    "build_id": (["Build ID", "build_id", "buildId", "Build-Id", "CI build ID", "Pipeline ID", "Job ID",
-                  "Run ID", "run_id"],
+    "build_id": (["Build ID", "build_id", "buildId", "Build-Id", "CI build ID", "Pipeline ID",
+                  "Job ID", "Run ID", "run_id"],
                  ["构建号", "构建编号", "构建ID", "流水线ID", "任务ID"]),
     "nonce": (["Nonce", "nonce", "NONCE", "cnonce", "Request nonce"],
               ["随机数", "随机串", "Nonce"]),
@@ -134,13 +144,15 @@ ID_LABELS = {
 
 # Time labels as people write them; `clock` says the value carries a time of day.
 TIME_LABELS = {
-    "current_time": (["Current time", "current_time", "currentTime", "Current date", "Current date and time",
-                      "Today's date", "Now", "Timestamp", "timestamp", "Request time", "Server time",
-                      "Local time", "CURRENT_DATETIME", "Date today", "current_date"],
-                     ["当前时间", "现在时间", "当前日期", "系统时间", "时间戳", "服务器时间", "请求时间",
-                      "当前北京时间", "今天的日期"]),
-    "as_of": (["Data as of", "Inventory as of", "Balances as of", "Generated at", "Report generated at",
-               "Last updated", "Updated at", "Last refreshed", "Prices as of", "Updated"],
+    "current_time": (["Current time", "current_time", "currentTime", "Current date",
+                      "Current date and time", "Today's date", "Now", "Timestamp", "timestamp",
+                      "Request time", "Server time", "Local time", "CURRENT_DATETIME", "Date today",
+                      "current_date"],
+                     ["当前时间", "现在时间", "当前日期", "系统时间", "时间戳", "服务器时间",
+                      "请求时间", "当前北京时间", "今天的日期"]),
+    "as_of": (["Data as of", "Inventory as of", "Balances as of", "Generated at",
+               "Report generated at", "Last updated", "Updated at", "Last refreshed",
+               "Prices as of", "Updated"],
               ["数据更新于", "更新于", "行情更新于", "截至", "数据截至", "生成时间", "报告生成于",
                "最后更新时间"]),
 }
@@ -149,7 +161,8 @@ TIME_SENTENCES = {
     "current_time": {
         "en": ["Today is {v}.", "It is now {v}.", "The current time is {v}.",
                "The current date is {v}.", "Right now it is {v}."],
-        "zh": ["今天是{v}。", "现在是{v}，", "当前时间是{v}。", "当前时间为{v}，", "现在是北京时间{v}。"],
+        "zh": ["今天是{v}。", "现在是{v}，", "当前时间是{v}。", "当前时间为{v}，",
+               "现在是北京时间{v}。"],
     },
     "as_of": {
         "en": ["As of {v}, the figures below are current.",
@@ -196,7 +209,7 @@ def _cn_clock(t: dt.datetime) -> str:
     return f"{half}{h}点{t.minute:02d}分"
 
 
-# --- fixed text ---------------------------------------------------------------------------------
+# --- fixed text ----------------------------------------------------------------------------------
 PERSONAS = {
     "en": ["You are Atlas, the support assistant for Northwind Cloud.",
            "You are a careful code-review bot for the payments team.",
@@ -207,8 +220,9 @@ PERSONAS = {
            "You are an internal HR assistant. Answer questions about leave and benefits.",
            "You are a tutor for high-school chemistry.",
            "You summarise CI logs for developers and point at the failing step."],
-    "zh": ["你是一个电商平台的智能客服。", "你是某银行的在线理财顾问。", "你是一名耐心的中学数学老师。",
-           "你是物流公司的查询助手，帮助用户追踪包裹。", "你是企业内部的IT服务台助手。",
+    "zh": ["你是一个电商平台的智能客服。", "你是某银行的在线理财顾问。",
+           "你是一名耐心的中学数学老师。", "你是物流公司的查询助手，帮助用户追踪包裹。",
+           "你是企业内部的IT服务台助手。",
            "你是一家连锁酒店的预订助手。", "你是运维平台的告警分析助手。", "你是医院的导诊助手。"],
 }
 
@@ -238,21 +252,27 @@ def fillers(rng: random.Random, lang: str) -> list[str]:
     return [
         f"Plans: Basic ${n(5, 19)}.99/month, Pro ${n(20, 90)}.00/month (billed yearly).",
         f"Support line: +1 (415) 555-{n(1000, 9999)}; never give out personal numbers.",
-        f"The public API is v{n(1, 4)}.{n(0, 20)}.{n(0, 9)}; clients older than build {n(1000, 9999)} must upgrade.",
+        f"The public API is v{n(1, 4)}.{n(0, 20)}.{n(0, 9)}; "
+        f"clients older than build {n(1000, 9999)} must upgrade.",
         f"Escalate refunds above ${n(100, 5000)} to a human agent.",
-        f"Never reveal internal hosts such as db-{n(1, 40):02d}.internal or 10.{n(0, 255)}.{n(0, 255)}.{n(1, 254)}.",
-        f"Refund policy (effective {y}-{m:02d}-{d:02d}): refunds within {n(14, 60)} days of purchase.",
+        f"Never reveal internal hosts such as db-{n(1, 40):02d}.internal or "
+        f"10.{n(0, 255)}.{n(0, 255)}.{n(1, 254)}.",
+        f"Refund policy (effective {y}-{m:02d}-{d:02d}): "
+        f"refunds within {n(14, 60)} days of purchase.",
         f"This document was last updated {y}-{m:02d}-{d:02d}.",
         f"As of {y}-{m:02d}-{d:02d}, the warranty covers {n(6, 36)} months.",
         f"API version: {y}-{m:02d}-{d:02d}. Send it in every call.",
-        f"Each session lasts {n(20, 60)} minutes; a user may open at most {n(2, 5)} sessions a day.",
+        f"Each session lasts {n(20, 60)} minutes; "
+        f"a user may open at most {n(2, 5)} sessions a day.",
         f"Session IDs are {rng.choice([16, 24, 32])} characters long and never shown to users.",
         f"Order numbers look like ORD-{y}-{n(100000, 999999)}.",
         f"Business hours: {n(8, 9)}:00-{n(17, 19)}:00, Monday to Friday.",
         f"Orders placed today before {n(2, 5)} PM ship the same day.",
-        f"Brand colour #{''.join(rng.choice(HEX) for _ in range(6)).upper()}; body text rgba(0, 0, 0, 0.87).",
+        f"Brand colour #{''.join(rng.choice(HEX) for _ in range(6)).upper()}; "
+        "body text rgba(0, 0, 0, 0.87).",
         f"Knowledge cutoff: {y}-{m:02d}.",
-        f"The regression was fixed in commit {''.join(rng.choice(HEX) for _ in range(40))} (PR #{n(100, 9999)}).",
+        f"The regression was fixed in commit {''.join(rng.choice(HEX) for _ in range(40))} "
+        f"(PR #{n(100, 9999)}).",
         f"Use metric units (1 km = 1000 m) and round to {n(1, 3)} decimals.",
         f"The request timeout is {n(10, 60)} s and the retry budget is {n(2, 5)} per user.",
         f"Python {n(3, 3)}.{n(9, 12)} and Node {n(18, 22)}.{n(0, 11)}.1 are supported.",
@@ -263,20 +283,25 @@ def tool_section(rng: random.Random, lang: str, v: Values) -> str:
     """Tools described in the prompt, with example ids that are part of the fixed text."""
     oid, uid = f"ORD-2024-{v.digits(6)}", v.uuid()
     forms_en = [
-        f"You can call these tools:\n- lookup_order(order_id): fetch an order, e.g. order_id=\"{oid}\".\n"
+        f"You can call these tools:\n"
+        f"- lookup_order(order_id): fetch an order, e.g. order_id=\"{oid}\".\n"
         f"- refund(order_id, amount): amounts in USD, at most $500.00.",
-        f"Tools:\n<tools>\n{{\"name\": \"get_session\", \"parameters\": {{\"session_id\": {{\"type\": \"string\", "
+        f"Tools:\n<tools>\n{{\"name\": \"get_session\", \"parameters\": "
+        f"{{\"session_id\": {{\"type\": \"string\", "
         f"\"example\": \"{uid}\"}}}}}}\n</tools>\nCall a tool only when needed.",
-        f"## Tools\n`search_tickets(query, limit=20)` searches tickets; `get_user(user_id)` returns a profile "
-        f"(user ids look like u_{v.digits(6)}).",
+        f"## Tools\n`search_tickets(query, limit=20)` searches tickets; "
+        f"`get_user(user_id)` returns a profile (user ids look like u_{v.digits(6)}).",
         f"Available function: create_invoice(customer_id, due_date). Example call: "
         f"create_invoice(customer_id=\"cus_{v.digits(4)}\", due_date=\"2024-07-01\").",
         f"get_trace(trace_id: str) -> Trace\n    trace_id: 32 hex chars, e.g. {v.hex(32)}",
-        f"Parameters of cancel_order: order_id (string, required), for instance {oid}; reason (string).",
+        f"Parameters of cancel_order: order_id (string, required), for instance {oid}; "
+        f"reason (string).",
     ]
     forms_zh = [
-        f"可用工具：\n- query_order(order_id)：查询订单，例如 order_id=\"{oid}\"。\n- cancel_order(order_id)：取消订单。",
-        f"工具定义：\n<tools>\n{{\"name\": \"get_device\", \"parameters\": {{\"device_id\": {{\"example\": \"{uid}\"}}}}}}\n</tools>",
+        f"可用工具：\n- query_order(order_id)：查询订单，例如 order_id=\"{oid}\"。\n"
+        f"- cancel_order(order_id)：取消订单。",
+        f"工具定义：\n<tools>\n{{\"name\": \"get_device\", \"parameters\": "
+        f"{{\"device_id\": {{\"example\": \"{uid}\"}}}}}}\n</tools>",
         f"调用 `get_user(user_id)` 获取用户资料，用户编号形如 u_{v.digits(6)}。",
         f"函数 query_device(device_id)：设备号，比如 DEV-{v.hex(8).upper()}。",
     ]
@@ -287,14 +312,19 @@ def fewshot_section(rng: random.Random, lang: str, v: Values) -> str:
     """Few-shot examples whose ids and dates are part of the fixed prompt."""
     oid, sid, t = "A" + v.digits(5), "s-" + v.digits(6), "2024-05-01 09:30:00"
     forms_en = [
-        f"Example:\nUser: Where is my order? Order ID: {oid}\nAssistant: Order {oid} left our warehouse yesterday.",
-        f"## Examples\n\n### Example 1\nCurrent time: {t}\nSession ID: {sid}\nUser: Can I still cancel?\n"
-        f"Assistant: Yes, until 18:00 today.",
-        f"<example>\nRequest ID: req_{v.hex(10)}\nUser: reset my password\nAssistant: I have sent a reset link.\n</example>",
-        f"Here is an example of a good answer:\n\nCustomer: my order ID is {oid}, it never arrived.\n\n"
+        f"Example:\nUser: Where is my order? Order ID: {oid}\n"
+        f"Assistant: Order {oid} left our warehouse yesterday.",
+        f"## Examples\n\n### Example 1\nCurrent time: {t}\nSession ID: {sid}\n"
+        f"User: Can I still cancel?\nAssistant: Yes, until 18:00 today.",
+        f"<example>\nRequest ID: req_{v.hex(10)}\nUser: reset my password\n"
+        f"Assistant: I have sent a reset link.\n</example>",
+        f"Here is an example of a good answer:\n\n"
+        f"Customer: my order ID is {oid}, it never arrived.\n\n"
         f"Agent: I am sorry! I have opened a trace for order {oid}.",
-        f"Sample dialogue\nQ: What is my user ID? (it is u_{v.digits(5)})\nA: Your user ID is shown under Settings.",
-        f"Example 2 (escalation):\nInput: {{\"request_id\": \"req_{v.hex(10)}\", \"tenant_id\": \"t_{v.hex(8)}\"}}\n"
+        f"Sample dialogue\nQ: What is my user ID? (it is u_{v.digits(5)})\n"
+        f"A: Your user ID is shown under Settings.",
+        f"Example 2 (escalation):\n"
+        f"Input: {{\"request_id\": \"req_{v.hex(10)}\", \"tenant_id\": \"t_{v.hex(8)}\"}}\n"
         f"Output: escalate to tier 2",
         f"### Examples\n- Today is {t[:10]}. User asks for a refund on order ID {oid} -> approve.\n"
         f"- Device ID: dev-{v.hex(12)} reports offline -> ask for a restart.",
@@ -302,15 +332,17 @@ def fewshot_section(rng: random.Random, lang: str, v: Values) -> str:
     ]
     forms_zh = [
         f"示例：\n用户：我的订单号是 {oid}，帮我查一下。\n客服：好的，订单 {oid} 已于昨天发出。",
-        f"## 示例\n当前时间：{t}\n会话ID：{sid}\n用户：还能退货吗？\n助手：可以，签收后7天内都可以。",
-        f"以下是一个例子：\n\n用户：请求ID是 req_{v.hex(10)}，接口报错了。\n\n客服：收到，我们会根据该请求ID排查。",
+        f"## 示例\n当前时间：{t}\n会话ID：{sid}\n用户：还能退货吗？\n"
+        f"助手：可以，签收后7天内都可以。",
+        f"以下是一个例子：\n\n用户：请求ID是 req_{v.hex(10)}，接口报错了。\n\n"
+        f"客服：收到，我们会根据该请求ID排查。",
         f"示例对话：\n顾客：设备号 DEV-{v.hex(6).upper()} 连不上网。\n客服：请先重启设备。",
         f"例如：会话ID：s-{v.digits(6)}，表示该用户的第一次会话。",
     ]
     return rng.choice(forms_zh if lang == "zh" else forms_en)
 
 
-# --- dynamic prompts ------------------------------------------------------------------------------
+# --- dynamic prompts -----------------------------------------------------------------------------
 def _key(label: str) -> str:
     """A label written as a key: "Request ID" -> request_id; a key stays as it is."""
     return label if " " not in label else "_".join(label.lower().split())
@@ -360,7 +392,8 @@ def dynamic_prompt(rng: random.Random, v: Values, k: int) -> dict:
         elif cat == "bare":
             make = rng.choice([v.uuid, v.ulid])
             vals = (make(), make())
-            lines.append(rng.choice([f"You are assisting in conversation {slot}.", f"Attached upload {slot} is private.",
+            lines.append(rng.choice([f"You are assisting in conversation {slot}.",
+                                     f"Attached upload {slot} is private.",
                                      f"本次对话关联 {slot}。", f"Context blob {slot} follows."]))
         else:
             clock = cat == "as_of"
@@ -404,7 +437,7 @@ def _context_block(rng: random.Random, lang: str, lines: list[str], markdown: bo
     return f"{head}\n{body}" if head else body
 
 
-# --- static prompts ---------------------------------------------------------------------------------
+# --- static prompts ------------------------------------------------------------------------------
 def static_prompt(rng: random.Random, v: Values, k: int) -> dict:
     lang = rng.choice(["en", "zh", "mixed"])
     plang = "zh" if lang == "zh" or (lang == "mixed" and rng.random() < 0.5) else "en"
@@ -424,7 +457,8 @@ def _policy(rng, v, lang):
     y, m, d = rng.randint(2019, 2025), rng.randint(1, 12), rng.randint(1, 28)
     en = [f"Refund policy, effective {y}-{m:02d}-{d:02d}: refunds within 30 days.",
           f"As of {y}-{m:02d}-{d:02d}, premium support is included in every plan.",
-          f"Terms of service (last updated {dt.date(y, m, d):%B %-d, %Y}). Version {rng.randint(2, 9)}.",
+          f"Terms of service (last updated {dt.date(y, m, d):%B %-d, %Y}). "
+          f"Version {rng.randint(2, 9)}.",
           f"The promotion is valid from {y}-{m:02d}-01 until {y}-{m:02d}-{d:02d}.",
           f"Our privacy notice was updated on {y}-{m:02d}-{d:02d} to cover the EU AI Act.",
           f"Pricing below is as of {dt.date(y, m, d):%-d %B %Y} and excludes VAT.",
@@ -436,19 +470,26 @@ def _policy(rng, v, lang):
           f"活动时间：{y}年{m}月1日至{y}年{m}月{d}日。",
           f"截至{y}年底，累计服务用户超过{rng.randint(2, 90)}00万。",
           f"资费标准更新于{y}年{m}月{d}日，详见官网。",
-          f"本活动最终解释权归本公司所有，有效期至{y + 1}年12月31日。", f"修订日期：{y}年{m}月{d}日"]
+          f"本活动最终解释权归本公司所有，有效期至{y + 1}年12月31日。",
+          f"修订日期：{y}年{m}月{d}日"]
     return "policy_date", rng.choice(zh if lang == "zh" else en)
 
 
 def _versions(rng, v, lang):
     y, m, d = rng.randint(2022, 2025), rng.randint(1, 12), rng.randint(1, 28)
-    en = [f"API version: {y}-{m:02d}-{d:02d}", f"Send the header Stripe-Version: {y}-{m:02d}-{d:02d} with every request.",
+    en = [f"API version: {y}-{m:02d}-{d:02d}",
+          f"Send the header Stripe-Version: {y}-{m:02d}-{d:02d} with every request.",
           f"Schema version = {y}-{m:02d}-{d:02d}; older schemas are rejected.",
-          f"Acme Desktop {rng.randint(1, 9)}.{rng.randint(0, 20)}.{rng.randint(0, 9)} (build {y}{m:02d}{d:02d}.{rng.randint(1, 9)})",
+          f"Acme Desktop {rng.randint(1, 9)}.{rng.randint(0, 20)}.{rng.randint(0, 9)} "
+          f"(build {y}{m:02d}{d:02d}.{rng.randint(1, 9)})",
           f"Model: gpt-4o-{y}-{m:02d}-{d:02d}; fall back to llama-3.1-8b.",
-          f"Always send anthropic-version: {y}-{m:02d}-{d:02d} and X-API-Version: {rng.randint(2, 9)}.",
-          f"apiVersion: {y}-{m:02d}-{d:02d}\nkind: Deployment", f"OpenAPI spec {rng.randint(2, 3)}.{rng.randint(0, 1)}.0, info.version {y}.{m}.{d}"]
-    zh = [f"接口版本：{y}-{m:02d}-{d:02d}", f"当前客户端版本 {rng.randint(1, 9)}.{rng.randint(0, 9)}.{rng.randint(0, 99)}（构建 {y}{m:02d}{d:02d}）。",
+          f"Always send anthropic-version: {y}-{m:02d}-{d:02d} "
+          f"and X-API-Version: {rng.randint(2, 9)}.",
+          f"apiVersion: {y}-{m:02d}-{d:02d}\nkind: Deployment",
+          f"OpenAPI spec {rng.randint(2, 3)}.{rng.randint(0, 1)}.0, info.version {y}.{m}.{d}"]
+    zh = [f"接口版本：{y}-{m:02d}-{d:02d}",
+          f"当前客户端版本 {rng.randint(1, 9)}.{rng.randint(0, 9)}.{rng.randint(0, 99)}"
+          f"（构建 {y}{m:02d}{d:02d}）。",
           f"协议版本号 v{rng.randint(1, 5)}.{rng.randint(0, 9)}，发布于{y}年{m}月。",
           f"模型版本：{y}-{m:02d}-{d:02d}，请勿自行升级。"]
     return "version_pin", rng.choice(zh if lang == "zh" else en)
@@ -456,17 +497,26 @@ def _versions(rng, v, lang):
 
 def _prose_words(rng, v, lang):
     n = rng.randint(2, 64)
-    en = [f"Each session lasts {n} minutes. Sessions expire after {rng.randint(2, 24)} hours of inactivity.",
-          f"The session ID is {rng.choice([64, 128])} bits long and rotates every {rng.randint(2, 48)} hours.",
+    en = [f"Each session lasts {n} minutes. "
+          f"Sessions expire after {rng.randint(2, 24)} hours of inactivity.",
+          f"The session ID is {rng.choice([64, 128])} bits long "
+          f"and rotates every {rng.randint(2, 48)} hours.",
           f"A request ID is {rng.choice([16, 20, 32])} hex characters; quote it when you escalate.",
-          f"Traces are sampled at {rng.randint(1, 20)}% and a trace keeps at most {rng.randint(64, 512)} spans.",
-          f"user_id: 64-bit integer, never reused. tenant_id: string, at most {rng.randint(16, 64)} characters.",
-          f"Order ID format: ORD-YYYY-NNNNNN (for instance ORD-{rng.randint(2019, 2024)}-{v.digits(6)}).",
-          f"If the user gives a session number (1-{rng.randint(5, 12)}), confirm it before continuing.",
+          f"Traces are sampled at {rng.randint(1, 20)}% "
+          f"and a trace keeps at most {rng.randint(64, 512)} spans.",
+          f"user_id: 64-bit integer, never reused. "
+          f"tenant_id: string, at most {rng.randint(16, 64)} characters.",
+          f"Order ID format: ORD-YYYY-NNNNNN "
+          f"(for instance ORD-{rng.randint(2019, 2024)}-{v.digits(6)}).",
+          f"If the user gives a session number (1-{rng.randint(5, 12)}), "
+          f"confirm it before continuing.",
           "Device IDs start with dev- and build IDs are plain integers.",
-          f"Session {rng.randint(2, 9)} of the course covers recursion; session {rng.randint(10, 14)} is the exam.",
-          f"In our examples user {rng.randint(2, 9)} is an admin and tenant {rng.randint(10, 99)} is a sandbox.",
-          f"A build takes about {rng.randint(5, 40)} minutes; keep the last {rng.randint(3, 20)} builds.",
+          f"Session {rng.randint(2, 9)} of the course covers recursion; "
+          f"session {rng.randint(10, 14)} is the exam.",
+          f"In our examples user {rng.randint(2, 9)} is an admin "
+          f"and tenant {rng.randint(10, 99)} is a sandbox.",
+          f"A build takes about {rng.randint(5, 40)} minutes; "
+          f"keep the last {rng.randint(3, 20)} builds.",
           f"The order ID is {rng.randint(12, 18)} digits; the trace ID is 32 hex digits."]
     zh = [f"会话ID由{rng.choice([16, 32])}位十六进制字符组成，请勿向用户展示。",
           f"每次会话最长 {n} 分钟，超时后需重新登录。",
@@ -474,7 +524,8 @@ def _prose_words(rng, v, lang):
           f"用户编号为 {rng.randint(100, 999)} 以内的整数时表示内部测试账号。",
           f"请求ID长度为{rng.choice([16, 32])}位，排查问题时请提供。",
           f"设备号一般印在机身背面，共{rng.randint(12, 16)}位。",
-          f"第{rng.randint(2, 9)}次会话开始前，请先复习上一次的内容。", f"每个用户最多绑定 {rng.randint(2, 5)} 台设备。"]
+          f"第{rng.randint(2, 9)}次会话开始前，请先复习上一次的内容。",
+          f"每个用户最多绑定 {rng.randint(2, 5)} 台设备。"]
     return "session_prose", rng.choice(zh if lang == "zh" else en)
 
 
@@ -489,12 +540,16 @@ def _tools(rng, v, lang):
 def _code(rng, v, lang):
     u = v.uuid()
     forms = [
-        f"Use this helper:\n```python\nNAMESPACE = uuid.UUID(\"{u}\")\nprint(datetime(2024, 3, 15, 14, 22).isoformat())\n```",
-        f"Log lines look like this:\n```\n2024-03-15 14:22:31 INFO request_id={u} started\nCurrent time: 2024-03-15 14:22:31\n```\nReport errors only.",
-        "Call `get_time(tz=\"UTC\")` to learn the time. Example output: `Current time: 2024-05-01T09:00:00Z`.",
+        f"Use this helper:\n```python\nNAMESPACE = uuid.UUID(\"{u}\")\n"
+        "print(datetime(2024, 3, 15, 14, 22).isoformat())\n```",
+        f"Log lines look like this:\n```\n2024-03-15 14:22:31 INFO request_id={u} started\n"
+        "Current time: 2024-03-15 14:22:31\n```\nReport errors only.",
+        "Call `get_time(tz=\"UTC\")` to learn the time. "
+        "Example output: `Current time: 2024-05-01T09:00:00Z`.",
         f"The sandbox namespace is set in code as NAMESPACE_ID = \"{u}\" and must not change.",
         f"Seed the test tenant with uuid.UUID(\"{u}\") before running migrations.",
-        f"日志示例：\n```\n当前时间：2024-01-01 08:00:00 请求ID：{v.hex(12)}\n```\n请只分析错误日志。",
+        f"日志示例：\n```\n当前时间：2024-01-01 08:00:00 请求ID：{v.hex(12)}\n```\n"
+        "请只分析错误日志。",
         f"配置片段：`tenant_id = \"{u}\"`，仅用于测试环境。",
     ]
     return "code_uuid", rng.choice(forms)
@@ -502,74 +557,89 @@ def _code(rng, v, lang):
 
 def _schedule(rng, v, lang):
     h = rng.randint(14, 18)
-    en = [f"Orders placed today before {h}:00 ship today; today {h}:00 or later means next-day dispatch.",
+    en = [f"Orders placed today before {h}:00 ship today; "
+          f"today {h}:00 or later means next-day dispatch.",
           f"Support is available now 9:00-{h}:00 ET, and from {h}:30 a bot takes over.",
           f"The webinar starts on March {rng.randint(3, 9)}, 2026 at 10:00 CET."]
-    zh = [f"今天{h}:00前下单，当日发货；现在 9:00-{h}:00 有人工客服。", f"每天 {h}:00 以后的订单次日处理。"]
+    zh = [f"今天{h}:00前下单，当日发货；现在 9:00-{h}:00 有人工客服。",
+          f"每天 {h}:00 以后的订单次日处理。"]
     return "schedule", rng.choice(zh if lang == "zh" else en)
 
 
 def _quoted(rng, v, lang):
-    en = [f"When you hand over, end with a line like \"Request ID: req_{v.hex(8)}\" so agents can search it.",
+    en = [f"When you hand over, end with a line like \"Request ID: req_{v.hex(8)}\" "
+          "so agents can search it.",
           f"Never write things like 'Session ID: s-{v.digits(5)}' in public replies.",
           f"A good closing is “Your order ID is A{v.digits(5)}”, with the real id."]
-    zh = [f"转人工时请以“请求ID：req_{v.hex(8)}”这样的格式结尾。", f"不要在回复中出现「会话ID：s-{v.digits(5)}」这类内部信息。"]
+    zh = [f"转人工时请以“请求ID：req_{v.hex(8)}”这样的格式结尾。",
+          f"不要在回复中出现「会话ID：s-{v.digits(5)}」这类内部信息。"]
     return "quotation", rng.choice(zh if lang == "zh" else en)
 
 
 def _digitless(rng, v, lang):
-    en = ["Session ID: provided by the client on every call.", "Request ID: none (the gateway adds one).",
+    en = ["Session ID: provided by the client on every call.",
+          "Request ID: none (the gateway adds one).",
           "Current time: see the user's message; never assume it.", "Current time: {current_time}",
-          "Request ID: {{request_id}}", "user_id=${USER_ID}", "Today is <today>. Trace ID: <trace_id>"]
-    zh = ["当前时间：以用户消息为准。", "会话ID：由客户端提供。", "当前时间：{{now}}", "用户编号：${uid}"]
+          "Request ID: {{request_id}}", "user_id=${USER_ID}",
+          "Today is <today>. Trace ID: <trace_id>"]
+    zh = ["当前时间：以用户消息为准。", "会话ID：由客户端提供。", "当前时间：{{now}}",
+          "用户编号：${uid}"]
     return "label_no_value", rng.choice(zh if lang == "zh" else en)
 
 
-HARD_CASES = [_policy, _versions, _prose_words, _fewshot, _tools, _code, _schedule, _quoted, _digitless]
+HARD_CASES = [_policy, _versions, _prose_words, _fewshot, _tools, _code, _schedule, _quoted,
+              _digitless]
 
 
-# --- learner templates -------------------------------------------------------------------------------
+# --- learner templates ---------------------------------------------------------------------------
 def learn_templates(rng: random.Random, v: Values) -> list[dict]:
     """Templates with 2-4 unlabelled spans that change per request; constants stay."""
     def hhmm():
         return f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
     spans = {
-        "cust": lambda: "C-" + v.digits(rng.randint(1, 6)),            # varying length
-        "ticket": lambda: v.hex(rng.randint(6, 10)),                      # may start with a letter
+        "cust": lambda: "C-" + v.digits(rng.randint(1, 6)),           # varying length
+        "ticket": lambda: v.hex(rng.randint(6, 10)),                  # may start with a letter
         "time": hhmm,
         "amount": lambda: f"{rng.randint(1, 99999):,}.{rng.randint(0, 99):02d}",
         "order": lambda: rng.choice("ABCDEFGH") + v.digits(rng.randint(3, 7)),
         "count": lambda: str(rng.randint(1, 500)),
         "ref": lambda: v.b62(3) + v.digits(rng.randint(2, 6)),
         "room": lambda: str(rng.randint(100, 4999)),
-        "short_id": lambda: str(rng.randint(10, 99)),                      # "looks constant"
+        "short_id": lambda: str(rng.randint(10, 99)),                 # "looks constant"
         "build": lambda: str(rng.randint(1000, 99999)),
     }
     templates = [
         ("en", "You are assisting customer {cust} on plan Pro-3 (v2.1 rules, $29.99/mo).\n"
-               "Ticket #{ticket} was opened at {time}. Answer in under 120 words.", "Pro-3 v2.1 29.99 120"),
+               "Ticket #{ticket} was opened at {time}. Answer in under 120 words.",
+               "Pro-3 v2.1 29.99 120"),
         ("en", "Agent desk 7. Caller {cust} owes ${amount} on order {order}; offer plan B-12 only.",
                "7 B-12"),
-        ("zh", "你好，订单{order}已于{time}发货，共{count}件。客服热线400-820-8820，工作时间9:00-18:00。",
+        ("zh", "你好，订单{order}已于{time}发货，共{count}件。"
+               "客服热线400-820-8820，工作时间9:00-18:00。",
                "400-820-8820 9:00-18:00"),
         ("zh", "用户{cust}的账户余额为{amount}元，积分{count}分（会员等级V3）。", "V3"),
         ("mixed", "[{ref}] 用户(uid={short_id})：请在{count}分钟内回复。版本 2.4.1", "2.4.1"),
         ("en", "Guest in room {room} (floor 12) checked in at {time}; loyalty ref «{ref}».",
                "12"),
-        ("en", "Build: {build}\nCommit {ticket} on branch main, Python 3.11, Node 20. Failing step: lint (exit 2).",
+        ("en", "Build: {build}\nCommit {ticket} on branch main, Python 3.11, Node 20. "
+               "Failing step: lint (exit 2).",
                "3.11 20 2"),
         ("mixed", "工单{ticket}由客户{cust}提交，金额${amount}，ref={ref};SLA 4h。", "4h"),
-        ("en", "Inventory check {ticket}: {count} units in bin A-7, reorder at 40, last count {time}.",
+        ("en", "Inventory check {ticket}: {count} units in bin A-7, reorder at 40, "
+               "last count {time}.",
                "A-7 40"),
         ("zh", "本次问诊编号{order}，候诊{count}人，预计{time}就诊。门诊时间 8:00-12:00。",
                "8:00-12:00"),
-        ("en", "You talk to {cust} (tier Gold-2). Their last {count} orders total ${amount}; ref {ref}.",
+        ("en", "You talk to {cust} (tier Gold-2). "
+               "Their last {count} orders total ${amount}; ref {ref}.",
                "Gold-2"),
         ("mixed", "Session room {room}，参会 {count} 人，开始于 {time}，议程 v3。", "v3"),
         ("en", "Shift of 2026-03-15 at desk D-4: caller {cust} reported {count} faults at {time}; "
                "reference {ticket}.", "2026-03-15 D-4"),
-        ("zh", "尊敬的会员{cust}，您本月消费{amount}元，剩余积分{count}。客服电话 95588。", "95588"),
-        ("mixed", "Build: {build} / 提交 {ticket}，耗时 {count}s，房间 {room}。Runner v2.3.", "v2.3"),
+        ("zh", "尊敬的会员{cust}，您本月消费{amount}元，剩余积分{count}。客服电话 95588。",
+               "95588"),
+        ("mixed", "Build: {build} / 提交 {ticket}，耗时 {count}s，房间 {room}。Runner v2.3.",
+                  "v2.3"),
     ]
     out = []
     for k, (lang, template, constants) in enumerate(templates):
@@ -586,9 +656,10 @@ def learn_templates(rng: random.Random, v: Values) -> list[dict]:
     return out
 
 
-# --- the file --------------------------------------------------------------------------------------
+# --- the file ------------------------------------------------------------------------------------
 def _unique(entry_texts: list[str], values: list[str]) -> bool:
-    return all(t.count(val) == 1 for t in entry_texts for val in values) and len(set(values)) == len(values)
+    once = all(t.count(val) == 1 for t in entry_texts for val in values)
+    return once and len(set(values)) == len(values)
 
 
 def generate(seed: int = SEED) -> dict:
@@ -600,7 +671,8 @@ def generate(seed: int = SEED) -> dict:
         k += 1
         vals = [f["value"] for f in e["fields"]]
         alts = [f["alt"] for f in e["fields"]]
-        if _unique([e["text"]], vals) and _unique([e["alt_text"]], alts) and not set(vals) & set(alts):
+        distinct = not set(vals) & set(alts)
+        if _unique([e["text"]], vals) and _unique([e["alt_text"]], alts) and distinct:
             dynamic.append(e)
     static = [static_prompt(rng, v, k) for k in range(N_STATIC)]
     return {"seed": seed, "dynamic": dynamic, "static": static, "learn": learn_templates(rng, v)}
@@ -619,7 +691,8 @@ _Dumper.add_representer(str, _str)
 
 
 def render(seed: int = SEED) -> str:
-    head = ("# Generated by tests/data/gen_normalize_corpus.py (seed %d); do not edit by hand.\n" % seed)
+    head = (f"# Generated by tests/data/gen_normalize_corpus.py (seed {seed}); "
+            "do not edit by hand.\n")
     return head + yaml.dump(generate(seed), Dumper=_Dumper, allow_unicode=True, sort_keys=False,
                             width=110)
 

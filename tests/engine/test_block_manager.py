@@ -1,7 +1,7 @@
 """Paged KV blocks and the prefix cache: hits, reference counts, LRU reuse, collisions."""
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.common.block_hash import ROOT_HASH, hash_block
 from prefixgate.backend.sequence import Sequence
+from prefixgate.common.block_hash import ROOT_HASH, hash_block
 
 BS = 4
 
@@ -67,7 +67,8 @@ def test_a_hit_leaves_the_last_token_to_compute():
     bm = BlockManager(16, BS)
     a = computed(bm, list(range(8)))
     same = Sequence(list(range(8)))
-    assert bm.match_prefix(same).block_ids == a.block_table[:1]   # the step must still produce logits
+    # the step must still produce logits
+    assert bm.match_prefix(same).block_ids == a.block_table[:1]
 
 
 def test_hash_collision_is_not_served():

@@ -46,7 +46,8 @@ def chunked(model):
 
 @pytest.fixture(scope="module")
 def whole(model):
-    with _serve(model, "--max-num-batched-tokens", "64", "--no-chunked-prefill", "--no-prefix-caching") as s:
+    with _serve(model, "--max-num-batched-tokens", "64", "--no-chunked-prefill",
+                "--no-prefix-caching") as s:
         yield s
 
 
@@ -65,7 +66,8 @@ async def test_single_request_matches_transformers(model, chunked):
         streamed = await complete_ids(session, chunked.url, prompt, 16, stream=True)
     assert whole_resp["token_ids"] == expected
     assert streamed["token_ids"] == expected
-    assert whole_resp["usage"]["completion_tokens"] == 16 and whole_resp["finish_reason"] == "length"
+    assert (whole_resp["usage"]["completion_tokens"] == 16
+            and whole_resp["finish_reason"] == "length")
     assert streamed["usage"]["prompt_tokens"] == 37
 
 
@@ -92,8 +94,12 @@ async def test_prefix_cache_hits_give_the_same_tokens(model, chunked):
     assert first["token_ids"] == model.ref(base, 8)
     assert second["token_ids"] == model.ref(variant, 8)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
-    hits = after["prefixgate:prefix_cache_hits_total"] - before["prefixgate:prefix_cache_hits_total"]
-    queries = after["prefixgate:prefix_cache_queries_total"] - before["prefixgate:prefix_cache_queries_total"]
+
+    def grew(name):
+        return after[name] - before[name]
+
+    hits = grew("prefixgate:prefix_cache_hits_total")
+    queries = grew("prefixgate:prefix_cache_queries_total")
     assert hits >= 80 and queries == 96 + 100
 
 
@@ -101,7 +107,8 @@ async def test_preemption_keeps_tokens_exact(model, tiny_kv):
     prompts = [prompt_of(40, seed=200 + i) for i in range(4)]
     async with aiohttp.ClientSession() as session:
         before = await metrics(session, tiny_kv.url)
-        results = await asyncio.gather(*(complete_ids(session, tiny_kv.url, p, 40) for p in prompts))
+        results = await asyncio.gather(*(complete_ids(session, tiny_kv.url, p, 40)
+                                         for p in prompts))
         after = await metrics(session, tiny_kv.url)
     for p, r in zip(prompts, results):
         assert r["token_ids"] == model.ref(p, 40)

@@ -24,7 +24,8 @@ def test_building_twice_gives_identical_bytes(demo_dir, tmp_path):
     assert again.name == demo_dir.name == f"demo-{demo.fingerprint()}"
     names = sorted(p.name for p in demo_dir.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(names)
+    assert {"config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(names)
     for name in names:
         assert (demo_dir / name).read_bytes() == (again / name).read_bytes(), name
 

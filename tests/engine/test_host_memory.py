@@ -19,7 +19,8 @@ def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in():
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     faults = []
-    for i in range(3):                              # 3 x (512 + 512 + 176): chunks over a growing context
+    # 3 x (512 + 512 + 176): chunks over a growing context
+    for i in range(3):
         engine.add_request(f"r{i}", [rng.randrange(16, 4000) for _ in range(1200)], params)
         while engine.has_work():
             before = _faults()

@@ -34,7 +34,6 @@ import pytest
 import torch
 import zmq
 
-
 from prefixgate.backend import cli as backend_cli
 from prefixgate.backend.config import EngineArgs, parse_kv_events_config
 from prefixgate.backend.engine import LLMEngine
@@ -42,8 +41,8 @@ from prefixgate.backend.kv_tier import GIB
 from prefixgate.backend.model_runner import kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.config import gateway as config_mod
 from tests.engine.helpers import complete_ids, metrics, prompt_of
 from tests.helpers import ServerThread
 
@@ -58,7 +57,8 @@ B = prompt_of(100, 2)   # 6 full blocks; with its 4 new tokens it fills a 7-bloc
 
 
 def chain(prompt: list[int]) -> list[int]:
-    """The prefix cache's hashes of the prompt's full blocks (the gateway's chain: the same formula)."""
+    """The prefix cache's hashes of the prompt's full blocks (the gateway's chain: the same
+    formula)."""
     return block_hash_chain(prompt, BLOCK)
 
 
@@ -90,8 +90,8 @@ _ids = itertools.count()
 
 def generate(engine: LLMEngine, prompt: list[int], max_tokens: int = 4) -> int:
     """One request run alone to the end; its cached prompt tokens."""
-    engine.add_request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                 ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"r{next(_ids)}", prompt, params)
     cached = None
     while engine.has_work():
         for out in engine.step():
@@ -111,7 +111,8 @@ class Subscriber:
         self.sub = zmq.Context.instance().socket(zmq.SUB)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.sub.connect(publisher.endpoint)
-        assert publisher.wait_for_subscriptions(seen + 1), "the subscription never reached the publisher"
+        assert publisher.wait_for_subscriptions(seen + 1), \
+            "the subscription never reached the publisher"
 
     def live(self, count: int) -> list[list[bytes]]:
         out = []
@@ -124,12 +125,14 @@ class Subscriber:
         self.sub.close(linger=0)
 
 
-def replay(endpoint: str, start: int, socket_type=zmq.DEALER, delimiter: bool = True) -> list[tuple[int, bytes]]:
+def replay(endpoint: str, start: int, socket_type=zmq.DEALER,
+           delimiter: bool = True) -> list[tuple[int, bytes]]:
     """Ask the replay socket for batches from `start`: [(seq, payload)] up to the end marker."""
     sock = zmq.Context.instance().socket(socket_type)
     try:
         sock.connect(endpoint)
-        sock.send_multipart(([b""] if delimiter and socket_type == zmq.DEALER else []) + [start.to_bytes(8, "big")])
+        head = [b""] if delimiter and socket_type == zmq.DEALER else []
+        sock.send_multipart(head + [start.to_bytes(8, "big")])
         out = []
         while True:
             assert sock.poll(TIMEOUT_MS), "no end marker"
@@ -151,7 +154,8 @@ def replay(endpoint: str, start: int, socket_type=zmq.DEALER, delimiter: bool = 
 def published(engine: LLMEngine, start: int = 0) -> list[tuple[int, list]]:
     """Everything the engine published (replayed once its publisher has sent it all), decoded."""
     assert engine.kv_events.flush()
-    return [(seq, decode(payload)) for seq, payload in replay(engine.kv_events.replay_endpoint, start)]
+    batches = replay(engine.kv_events.replay_endpoint, start)
+    return [(seq, decode(payload)) for seq, payload in batches]
 
 
 def decode(payload: bytes) -> list:
@@ -295,12 +299,14 @@ def test_the_second_tier_publishes_cpu_stores_and_the_reload_publishes_gpu_again
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_events_say_what_the_caches_hold(engines, model_dir):
     per_block = kv_block_bytes(engines().model_config, BLOCK, torch.float32)
-    engine = engines(num_kv_blocks=7, kv_offloading_size=16 * per_block / GIB, device="cuda", max_num_seqs=4)
+    engine = engines(num_kv_blocks=7, kv_offloading_size=16 * per_block / GIB, device="cuda",
+                     max_num_seqs=4)
     generate(engine, A)
     generate(engine, B)
     assert generate(engine, A) == 64
     held = holdings(published(engine))
-    assert held["GPU"] == set(engine.block_manager.cached) and held["CPU"] == set(engine.kv_tier.index)
+    assert (held["GPU"] == set(engine.block_manager.cached)
+            and held["CPU"] == set(engine.kv_tier.index))
 
 
 def test_a_full_tier_and_a_failed_checksum_publish_cpu_removals(engines):
@@ -312,11 +318,13 @@ def test_a_full_tier_and_a_failed_checksum_publish_cpu_removals(engines):
     assert [h for e in removed for h in e[1]] == chain(A)[:1:-1]
     engine.kv_tier._worker.submit(lambda: None).result()      # the copies are done
     tier = engine.kv_tier
-    tier.pool[tier.index[chain(A)[1]].slot].view(-1)[100:108].bitwise_not_()   # corrupt A's 2nd block
+    # corrupt A's 2nd block
+    tier.pool[tier.index[chain(A)[1]].slot].view(-1)[100:108].bitwise_not_()
     start = len(batches)
     generate(engine, A)
     later = published(engine, start)
-    assert chain(A)[1] in [h for e in events_of(later, "BlockRemoved", "CPU") for h in e[1]]   # dropped
+    removed = [h for e in events_of(later, "BlockRemoved", "CPU") for h in e[1]]
+    assert chain(A)[1] in removed                   # dropped
     held = holdings(published(engine))
     assert held["CPU"] == set(tier.index) and held["GPU"] == set(engine.block_manager.cached)
 
@@ -354,13 +362,16 @@ def test_a_malformed_replay_request_is_ignored(engines):
 # --- config ------------------------------------------------------------------------------------
 
 BAD_CONFIGS = [
-    ('{"enable_kv_cache_events": true, "port": 5557}', "port: unknown key (known: enable_kv_cache_events"),
+    ('{"enable_kv_cache_events": true, "port": 5557}',
+     "port: unknown key (known: enable_kv_cache_events"),
     ('{"enable_kv_cache_events": "yes"}', 'enable_kv_cache_events: must be a boolean, got "yes"'),
-    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher: 'kafka' is not supported"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}',
+     "publisher: 'kafka' is not supported"),
     ('{"enable_kv_cache_events": true, "endpoint": "http://x:1"}', "endpoint: must be tcp://HOST:PORT"),
     ('{"endpoint": "tcp://*"}', "endpoint: needs HOST:PORT"),
     ('{"replay_endpoint": 5558}', "replay_endpoint: must be a string or null, got 5558"),
-    ('{"replay_endpoint": "tcp://*:5557"}', "replay_endpoint: tcp://*:5557 takes the endpoint's address"),
+    ('{"replay_endpoint": "tcp://*:5557"}',
+     "replay_endpoint: tcp://*:5557 takes the endpoint's address"),
     ('{"buffer_steps": 0}', "buffer_steps: must be >= 1, got 0"),
     ('{"hwm": true}', "hwm: must be an integer, got true"),
     ('{"topic": ["a"]}', 'topic: must be a string, got ["a"]'),
@@ -380,17 +391,19 @@ def test_bad_kv_events_configs_name_the_key(raw, message):
 @pytest.mark.parametrize("raw,message", BAD_CONFIGS[:4])
 def test_prefixgate_backend_exits_1_before_loading_the_model(raw, message, capsys):
     # --model names no model dir: the flag must fail before anything is loaded
-    assert backend_cli.main(["--model", "/no/such/model", "--port", "0", "--kv-events-config", raw]) == 1
+    argv = ["--model", "/no/such/model", "--port", "0", "--kv-events-config", raw]
+    assert backend_cli.main(argv) == 1
     assert f"--kv-events-config: {message}" in capsys.readouterr().err
 
 
 def test_defaults_are_vllms_and_publishing_needs_enable():
     c = parse_kv_events_config('{"enable_kv_cache_events": true}')
-    assert (c.publisher, c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size, c.topic) == (
-        "zmq", "tcp://*:5557", None, 10_000, 100_000, 100_000, "")
+    assert (c.publisher, c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size,
+            c.topic) == ("zmq", "tcp://*:5557", None, 10_000, 100_000, 100_000, "")
     assert c.publishes and parse_kv_events_config(c.to_json()) == c
     assert not parse_kv_events_config('{"publisher": "zmq"}').publishes        # not enabled
-    assert not parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}').publishes
+    null = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}')
+    assert not null.publishes
     assert parse_kv_events_config(None) is None
 
 
@@ -398,11 +411,14 @@ def test_an_address_in_use_fails_the_start_naming_the_key(engines):
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://*")
     try:
-        with pytest.raises(ValueError, match=rf"--kv-events-config: endpoint: tcp://\*:{port}: cannot bind"):
+        with pytest.raises(ValueError,
+                           match=rf"--kv-events-config: endpoint: tcp://\*:{port}: cannot bind"):
             engines({"endpoint": f"tcp://*:{port}"})
-        with pytest.raises(ValueError, match=rf"--kv-events-config: replay_endpoint: tcp://127.0.0.1:{port}: "
-                                             rf"cannot bind \(Address already in use\)"):
-            engines({"replay_endpoint": f"tcp://127.0.0.1:{port}"})    # the replay socket always binds
+        with pytest.raises(ValueError,
+                           match=rf"--kv-events-config: replay_endpoint: tcp://127.0.0.1:{port}: "
+                                 rf"cannot bind \(Address already in use\)"):
+            # the replay socket always binds
+            engines({"replay_endpoint": f"tcp://127.0.0.1:{port}"})
     finally:
         taken.close(linger=0)
 
@@ -428,9 +444,10 @@ def test_close_sends_what_is_queued_and_does_not_wait_for_subscribers(engines):
     ({"enable_kv_cache_events": True, "bogus": 1}, "bundled.kv_events_config.bogus: unknown key"),
     ({"endpoint": "tcp://*:99999"}, "bundled.kv_events_config.endpoint: needs HOST:PORT"),
     ({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"},
-     "bundled.kv_events_config.endpoint: engine 1 would bind tcp://*:5559, the address of engine 0's "
-     "replay_endpoint"),
-    ({"endpoint": "tcp://*:65535"}, "bundled.kv_events_config.endpoint: tcp://*:65535 moved up by 1"),
+     "bundled.kv_events_config.endpoint: engine 1 would bind tcp://*:5559, "
+     "the address of engine 0's replay_endpoint"),
+    ({"endpoint": "tcp://*:65535"},
+     "bundled.kv_events_config.endpoint: tcp://*:65535 moved up by 1"),
     ({"endpoint": "inproc://kv"}, "bundled.kv_events_config.endpoint: inproc:// reaches only"),
 ])
 def test_bad_bundled_kv_events_configs_name_the_key(events, message):
@@ -459,19 +476,22 @@ def test_each_bundled_engine_gets_its_own_ports_as_the_flag():
     # P/D engines count too; the args win; without the key, no flag
     pd = config_mod.validate({"bundled": {"prefill": 1, "decode": 1, "kv_events_config": events}})
     assert json.loads(BundledEngines(pd["bundled"]).engine_args(1)[1])["endpoint"] == "tcp://*:5559"
-    own = config_mod.validate({"bundled": {"kv_events_config": events, "args": ["--kv-events-config", "{}"]}})
+    own = config_mod.validate({"bundled": {"kv_events_config": events,
+                                           "args": ["--kv-events-config", "{}"]}})
     assert BundledEngines(own["bundled"]).engine_args() == ["--kv-events-config", "{}"]
-    assert BundledEngines(config_mod.validate({"bundled": {}})["bundled"]).kv_events_endpoints == [None]
+    bare = config_mod.validate({"bundled": {}})
+    assert BundledEngines(bare["bundled"]).kv_events_endpoints == [None]
 
 
 def test_port_0_gives_each_bundled_engine_a_free_port_the_gateway_knows():
     events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
     cfg = config_mod.validate({"bundled": {"instances": 2, "kv_events_config": events}})
     engines = BundledEngines(cfg["bundled"])
-    ports = {int(e.rpartition(":")[2]) for e in engines.kv_events_endpoints + engines.kv_events_replay_endpoints}
+    endpoints = engines.kv_events_endpoints + engines.kv_events_replay_endpoints
+    ports = {int(e.rpartition(":")[2]) for e in endpoints}
     assert len(ports) == 4 and 0 not in ports
-    assert json.loads(engines.engine_args(1)[1])["endpoint"] == engines.kv_events_endpoints[1].replace(
-        "127.0.0.1", "*")
+    assert (json.loads(engines.engine_args(1)[1])["endpoint"]
+            == engines.kv_events_endpoints[1].replace("127.0.0.1", "*"))
 
 
 # --- through the HTTP server -------------------------------------------------------------------
@@ -484,7 +504,8 @@ async def test_the_server_publishes_after_a_silent_warm_up_and_closes_its_socket
                        "--kv-events-config", events]) as st:
         publisher = st.server.engine.engine.kv_events
         assert st.server.engine.warmup_report is not None        # the warm-up ran ...
-        assert publisher.flush() and replay(publisher.replay_endpoint, 0) == []   # ... and published nothing
+        # ... and published nothing: the replay log is empty
+        assert publisher.flush() and replay(publisher.replay_endpoint, 0) == []
         sub = Subscriber(publisher)
         async with aiohttp.ClientSession() as s:
             out = await complete_ids(s, st.url, A, 4)

@@ -29,7 +29,6 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-
 from prefixgate.backend import cli as backend_cli
 from prefixgate.backend.config import EngineArgs
 from prefixgate.backend.engine import LLMEngine
@@ -38,8 +37,8 @@ from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.model_runner import KV_CACHE_DTYPES, kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.config import gateway as config_mod
 from tests.engine.helpers import complete_ids, metrics, prompt_of
 from tests.helpers import ServerThread
 
@@ -81,7 +80,8 @@ _ids = itertools.count()
 def generate(engine: LLMEngine, prompt: list[int], max_tokens: int = 4) -> tuple[list[int], int]:
     """One request run alone to the end: its tokens and its cached prompt tokens."""
     rid = f"r{next(_ids)}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(rid, prompt, params)
     tokens, cached = [], None
     while engine.has_work():
         for out in engine.step():
@@ -95,7 +95,8 @@ def run_all(engine: LLMEngine, prompts) -> list[tuple[list[int], int]]:
 
 
 def chain(prompt: list[int]) -> list[int]:
-    """The prefix cache's hashes of the prompt's full blocks (the gateway's chain: the same formula)."""
+    """The prefix cache's hashes of the prompt's full blocks (the gateway's chain: the same
+    formula)."""
     return block_hash_chain(prompt, BLOCK)
 
 
@@ -252,7 +253,8 @@ def _unwritable_dir(tmp_path) -> str:
      "--kv-offloading-path: /no/such/dir: no such directory"),
     ({"kv_offloading_size": -1}, "--kv-offloading-size: must be > 0"),
     ({"kv_offloading_size": float("nan")}, "--kv-offloading-size: must be > 0"),
-    ({"kv_offloading_size": 1e-9}, "--kv-offloading-size: 1e-09 GiB is less than one KV block (8192 bytes)"),
+    ({"kv_offloading_size": 1e-9},
+     "--kv-offloading-size: 1e-09 GiB is less than one KV block (8192 bytes)"),
     ({"kv_offloading_path": "/tmp"}, "--kv-offloading-path: needs --kv-offloading-size"),
     ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "drop --no-prefix-caching"),
 ])
@@ -288,7 +290,8 @@ def test_the_flags_reach_the_engine_args(tmp_path):
                                                    "--kv-offloading-path", str(tmp_path)])
     args = backend_cli.engine_args(ns)
     assert (args.kv_offloading_size, args.kv_offloading_path) == (2.5, str(tmp_path))
-    off = backend_cli.engine_args(backend_cli.build_parser().parse_args(["--kv-offloading-size", "0"]))
+    ns = backend_cli.build_parser().parse_args(["--kv-offloading-size", "0"])
+    off = backend_cli.engine_args(ns)
     assert off.kv_offloading_size is None
 
 
@@ -298,7 +301,8 @@ def test_the_flags_reach_the_engine_args(tmp_path):
     ({"kv_offloading_size": True}, "bundled.kv_offloading_size: must be a number"),
     ({"kv_offloading_size": 1, "kv_offloading_path": "/no/such/dir"},
      "bundled.kv_offloading_path: /no/such/dir: no such directory"),
-    ({"kv_offloading_path": "/tmp"}, "bundled.kv_offloading_path: needs bundled.kv_offloading_size"),
+    ({"kv_offloading_path": "/tmp"},
+     "bundled.kv_offloading_path: needs bundled.kv_offloading_size"),
 ])
 def test_bad_bundled_offloading_keys_name_the_key(bundled, message):
     with pytest.raises(config_mod.ConfigError) as e:
@@ -319,10 +323,12 @@ def test_bundled_offloading_keys_become_the_engines_flags(tmp_path):
     cfg = config_mod.validate({"bundled": {"args": ["--max-num-seqs", 8], "kv_offloading_size": 1.5,
                                            "kv_offloading_path": str(tmp_path)}})
     args = BundledEngines(cfg["bundled"]).engine_args()
-    assert args == ["--max-num-seqs", "8", "--kv-offloading-size", "1.5", "--kv-offloading-path", str(tmp_path)]
+    assert args == ["--max-num-seqs", "8", "--kv-offloading-size", "1.5",
+                    "--kv-offloading-path", str(tmp_path)]
     ea = backend_cli.engine_args(backend_cli.build_parser().parse_args(args))
     assert (ea.kv_offloading_size, ea.kv_offloading_path) == (1.5, str(tmp_path))
-    own = config_mod.validate({"bundled": {"args": ["--kv-offloading-size", "3"], "kv_offloading_size": 1}})
+    own = config_mod.validate({"bundled": {"args": ["--kv-offloading-size", "3"],
+                                           "kv_offloading_size": 1}})
     assert BundledEngines(own["bundled"]).engine_args() == ["--kv-offloading-size", "3"]
     for off in ({}, {"kv_offloading_size": 0}):
         assert BundledEngines(config_mod.validate({"bundled": off})["bundled"]).engine_args() == []
@@ -335,7 +341,8 @@ async def test_the_server_counts_tier_hits_and_exposes_the_metrics(model_dir, tm
     size = 16 * block_bytes(plain) / GIB
     with ServerThread(["--model", model_dir, "--dtype", "float32", "--block-size", str(BLOCK),
                        "--num-kv-blocks", str(DEVICE_BLOCKS), "--step-overhead-tokens", "0",
-                       "--kv-offloading-size", repr(size), "--kv-offloading-path", str(tmp_path)]) as st:
+                       "--kv-offloading-size", repr(size),
+                       "--kv-offloading-path", str(tmp_path)]) as st:
         core = st.server.engine.engine
         async with aiohttp.ClientSession() as s:
             got = [await complete_ids(s, st.url, p, 4) for p in (A, B)]

@@ -24,7 +24,8 @@ def pristine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pristine_sharded(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "sharded", "qwen2", max_shard_size="100KB")
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "sharded", "qwen2",
+                           max_shard_size="100KB")
 
 
 @pytest.fixture
@@ -45,7 +46,8 @@ def _rewrite(path, change):
 
 def _write_manifest(model_dir):
     files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    out = subprocess.run(["sha256sum", *files], cwd=model_dir, capture_output=True, text=True, check=True)
+    out = subprocess.run(["sha256sum", *files], cwd=model_dir, capture_output=True, text=True,
+                         check=True)
     (model_dir / "SHA256SUMS").write_text(out.stdout)
 
 
@@ -87,8 +89,10 @@ def test_manifest_passes_then_catches_corrupted_bytes(model_dir, capsys):
 def test_write_manifest_is_sha256sum_compatible(sharded_dir, capsys):
     assert main([str(sharded_dir), "--write-manifest"]) == 0
     assert "wrote" in capsys.readouterr().out
-    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=sharded_dir, capture_output=True, text=True)
-    assert check.returncode == 0 and check.stdout.count(": OK") == len(list(sharded_dir.glob("*.safetensors")))
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=sharded_dir,
+                           capture_output=True, text=True)
+    shards = list(sharded_dir.glob("*.safetensors"))
+    assert check.returncode == 0 and check.stdout.count(": OK") == len(shards)
     assert verify_weights(sharded_dir).manifest.name == "SHA256SUMS"
     load_model(sharded_dir)
 
@@ -154,12 +158,14 @@ def test_missing_tensor_is_named(model_dir):
 def test_unexpected_tensor_is_named(model_dir):
     _rewrite(model_dir / "model.safetensors",
              lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}))
-    with pytest.raises(WeightError, match="unexpected tensor model.layers.0.self_attn.extra.weight"):
+    with pytest.raises(WeightError,
+                       match="unexpected tensor model.layers.0.self_attn.extra.weight"):
         load_model(model_dir)
 
 
 def test_wrong_shape_is_named(model_dir):
-    _rewrite(model_dir / "model.safetensors", lambda t: t.update({"model.norm.weight": torch.ones(63)}))
+    _rewrite(model_dir / "model.safetensors",
+             lambda t: t.update({"model.norm.weight": torch.ones(63)}))
     with pytest.raises(WeightError, match=r"shape mismatch for model.norm.weight .*\[63\].*\[64\]"):
         load_model(model_dir)
 
@@ -192,11 +198,14 @@ def test_verify_weights_command_line(model_dir):
     exe = Path(sys.executable).parent / "prefixgate"
     if not exe.exists():
         pytest.skip("prefixgate console script not installed")
-    good = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True, text=True)
+    good = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True,
+                          text=True)
     assert good.returncode == 0 and good.stdout.rstrip().endswith("OK"), good.stderr
-    (model_dir / "config.json").write_text(
-        (model_dir / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
-    bad = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True, text=True)
+    config = model_dir / "config.json"
+    config.write_text(config.read_text().replace('"num_hidden_layers": 2',
+                                                 '"num_hidden_layers": 3'))
+    bad = subprocess.run([str(exe), "verify-weights", str(model_dir)], capture_output=True,
+                         text=True)
     assert bad.returncode == 1
     assert "PROBLEM: missing tensor model.layers.2.self_attn.q_proj.weight" in bad.stdout
 
@@ -244,7 +253,8 @@ def demo_dir():
                                          ("pristine_sharded", None), ("demo_dir", None)])
 def test_both_load_formats_give_identical_weights_and_logits(which, dtype, request):
     path = request.getfixturevalue(which)
-    (mapped, config), (eager, _) = (load_model(path, dtype=dtype, load_format=f) for f in ("mmap", "eager"))
+    (mapped, config), (eager, _) = (load_model(path, dtype=dtype, load_format=f)
+                                    for f in ("mmap", "eager"))
     ours, theirs = mapped.state_dict(), eager.state_dict()
     assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in ours)
     prompt = [5, 17, 33, 61, 90, 120, 150, 200, 7, 8, 9]

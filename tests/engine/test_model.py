@@ -60,12 +60,15 @@ def pair(request, tmp_path_factory):
 def test_config_reads_what_transformers_wrote(pair):
     ours, hf, config = pair
     assert config.model_type == hf.config.model_type
-    assert config.attention_bias == (config.model_type == "qwen2" or getattr(hf.config, "attention_bias", False))
+    assert config.attention_bias == (config.model_type == "qwen2"
+                                     or getattr(hf.config, "attention_bias", False))
     # transformers 5 calls it rope_parameters, 4.x rope_scaling.
-    hf_rope = getattr(hf.config, "rope_parameters", None) or getattr(hf.config, "rope_scaling", None) or {}
+    hf_rope = (getattr(hf.config, "rope_parameters", None)
+               or getattr(hf.config, "rope_scaling", None) or {})
     assert (config.rope_scaling is not None) == (hf_rope.get("rope_type") == "llama3")
     assert sum(p.numel() for p in ours.parameters()) == sum(
-        p.numel() for n, p in hf.named_parameters() if not (config.tie_word_embeddings and n == "lm_head.weight")
+        p.numel() for n, p in hf.named_parameters()
+        if not (config.tie_word_embeddings and n == "lm_head.weight")
     )
 
 
@@ -113,12 +116,15 @@ def test_mixed_batch_of_prefills_and_decodes_matches(pair):
     nxt = {sid: [int(got[sid][-1].argmax())] for sid in prompts}
     got = cache.step(ours, nxt)
     for sid, tokens in prompts.items():
-        torch.testing.assert_close(got[sid][-1], _hf_logits(hf, tokens + nxt[sid])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[sid][-1], _hf_logits(hf, tokens + nxt[sid])[-1],
+                                   atol=ATOL, rtol=0)
     # A prefill chunk for one sequence alongside a decode for another (chunked-prefill steps).
     more = _prompt(5, seed=10)
     got = cache.step(ours, {1: more, 0: [3]})
-    torch.testing.assert_close(got[1], _hf_logits(hf, prompts[1] + nxt[1] + more)[-5:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[0][-1], _hf_logits(hf, prompts[0] + nxt[0] + [3])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], _hf_logits(hf, prompts[1] + nxt[1] + more)[-5:],
+                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[0][-1], _hf_logits(hf, prompts[0] + nxt[0] + [3])[-1],
+                               atol=ATOL, rtol=0)
 
 
 def test_bfloat16_on_cpu_is_as_accurate_as_transformers_bfloat16(tmp_path):
@@ -131,7 +137,10 @@ def test_bfloat16_on_cpu_is_as_accurate_as_transformers_bfloat16(tmp_path):
     got = PagedCache(config, dtype=torch.bfloat16).step(ours, {0: tokens})[0]
     exact, theirs = _hf_logits(hf32, tokens), _hf_logits(hf, tokens)
     assert (got - exact).abs().max() <= 2 * (theirs - exact).abs().max()
-    agree = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean()  # noqa: E731
+
+    def agree(x):
+        return (x.argmax(-1) == exact.argmax(-1)).float().mean()
+
     assert agree(got) >= agree(theirs) - 0.1
 
 
@@ -140,7 +149,8 @@ def test_bfloat16_on_cpu_is_as_accurate_as_transformers_bfloat16(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_cuda_half_precision_matches_transformers(tmp_path, kind, dtype):
-    ours, hf, config = _load_pair(make_tiny_model(tmp_path / kind, kind), dtype=dtype, device="cuda")
+    model = make_tiny_model(tmp_path / kind, kind)
+    ours, hf, config = _load_pair(model, dtype=dtype, device="cuda")
     tokens = _prompt(40, seed=12)
     cache = PagedCache(config, dtype=dtype, device="cuda")
     got = torch.cat([cache.step(ours, {0: tokens[:25]})[0]] +

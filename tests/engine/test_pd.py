@@ -1,4 +1,4 @@
-"""The bundled engine split into prefill and decode instances (issue #15, part 2): leg 1 to a
+"""The bundled engine split into prefill and decode instances: leg 1 to a
 prefill engine with vLLM's `kv_transfer_params`, leg 2 to a decode engine that pulls the prompt's
 KV over TCP and decodes. Real engines on loopback, a real HTTP client."""
 from __future__ import annotations
@@ -53,7 +53,8 @@ def expire(server: ServerThread, transfer_id: str) -> None:
 
 
 def body_for(chat: bool, prompt, max_tokens=24, **extra) -> dict:
-    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **extra}
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
     body["messages" if chat else "prompt"] = prompt
     return body
 
@@ -70,8 +71,10 @@ async def answer(s, url, chat, body) -> dict:
         if not body.get("stream"):
             data = await r.json()
             c = data["choices"][0]
-            return {"token_ids": c["token_ids"], "text": c["message"]["content"] if chat else c["text"],
-                    "usage": data["usage"], "headers": headers, "kv": data.get("kv_transfer_params")}
+            return {"token_ids": c["token_ids"],
+                    "text": c["message"]["content"] if chat else c["text"],
+                    "usage": data["usage"], "headers": headers,
+                    "kv": data.get("kv_transfer_params")}
         ids, text, usage = [], "", None
         async for line in r.content:
             line = line.strip()
@@ -87,7 +90,8 @@ async def answer(s, url, chat, body) -> dict:
 
 async def leg1(s, url, chat, body) -> dict:
     """The prefill leg as the gateway sends it; the kv_transfer_params it returns."""
-    got = await answer(s, url, chat, {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": LEG1_PARAMS})
+    got = await answer(s, url, chat, {**body, "stream": False, "max_tokens": 1,
+                                      "kv_transfer_params": LEG1_PARAMS})
     assert len(got["token_ids"]) == 1
     return got["kv"]
 
@@ -103,7 +107,8 @@ async def settled(s, *servers) -> None:
     """Wait until no engine runs or holds anything, then check every block is free."""
     for _ in range(200):
         states = [await metrics(s, x.url) for x in servers]
-        if all(m["prefixgate:num_requests_running"] == 0 and m["prefixgate:kv_transfer_held_blocks"] == 0
+        if all(m["prefixgate:num_requests_running"] == 0
+               and m["prefixgate:kv_transfer_held_blocks"] == 0
                and m["prefixgate:kv_cache_usage_perc"] == 0 for m in states):
             break
         await asyncio.sleep(0.02)
@@ -121,7 +126,8 @@ def prompt_ids(n: int, start: int = 20) -> list[int]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_pd_gives_the_tokens_of_one_engine(prefill, decode, single, chat, stream):
     prompt = MESSAGES if chat else prompt_ids(70, start=20 + 3 * stream)
-    body = body_for(chat, prompt, stream=stream, stream_options={"include_usage": True} if stream else None)
+    body = body_for(chat, prompt, stream=stream,
+                    stream_options={"include_usage": True} if stream else None)
     async with aiohttp.ClientSession() as s:
         before = await metrics(s, decode.url)
         ref = await answer(s, single.url, chat, body)
@@ -133,9 +139,11 @@ async def test_pd_gives_the_tokens_of_one_engine(prefill, decode, single, chat, 
     n = ref["usage"]["prompt_tokens"]
     assert got["usage"]["prompt_tokens"] == n and got["usage"]["completion_tokens"] == 24
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1    # not computed there
-    assert after["prefixgate:kv_transfers_pulled_total"] == before["prefixgate:kv_transfers_pulled_total"] + 1
+    pulls = "prefixgate:kv_transfers_pulled_total"
+    assert after[pulls] == before[pulls] + 1
     assert "kv_pull;dur=" in got["headers"]["Server-Timing"]
-    assert 'desc="computed=1 ' in got["headers"]["Server-Timing"]     # one token computed, as a decode
+    # one token computed, as a decode
+    assert 'desc="computed=1 ' in got["headers"]["Server-Timing"]
 
 
 async def test_leg1_answer_and_hold(prefill):
@@ -144,13 +152,16 @@ async def test_leg1_answer_and_hold(prefill):
     async with aiohttp.ClientSession() as s:
         params = await leg1(s, prefill.url, False, body_for(False, prompt))
         held = await metrics(s, prefill.url)
-        assert held["prefixgate:kv_transfer_held_blocks"] == 3 and held["prefixgate:kv_cache_usage_perc"] > 0
+        assert (held["prefixgate:kv_transfer_held_blocks"] == 3
+                and held["prefixgate:kv_cache_usage_perc"] > 0)
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert params["remote_engine_id"] == prefill.server.kv.engine_id
-        assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == prefill.server.kv.port > 0
+        assert (params["remote_host"] == "127.0.0.1"
+                and params["remote_port"] == prefill.server.kv.port > 0)
         assert len(params["remote_block_ids"]) == 3 and params["num_tokens"] == 40
         assert params["transfer_id"].startswith("kvx-")
-        assert core(prefill).scheduler.held[params["transfer_id"]].block_table == params["remote_block_ids"]
+        hold = core(prefill).scheduler.held[params["transfer_id"]]
+        assert hold.block_table == params["remote_block_ids"]
         expire(prefill, params["transfer_id"])
         await settled(s, prefill)
 
@@ -194,14 +205,16 @@ async def test_other_family_and_fp8_kv_move_as_is(tmp_path_factory, prefill):
             async with aiohttp.ClientSession() as s:
                 for chat in (False, True):
                     body = body_for(chat, MESSAGES if chat else prompt_ids(50, start=60))
-                    ref = await answer(s, a.url, chat, body)     # one engine (and a's prefix cache)
-                    got = await pd(s, a.url, b.url, chat, body)  # leg 2 on a fresh engine: a full pull
+                    # one engine (and a's prefix cache), then leg 2 on a fresh engine: a full pull
+                    ref = await answer(s, a.url, chat, body)
+                    got = await pd(s, a.url, b.url, chat, body)
                     assert got["token_ids"] == ref["token_ids"]
                 if flags:
                     assert core(b).runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
                     body = body_for(False, prompt_ids(30))
                     params = await leg1(s, prefill.url, False, body)      # an fp32 cache
-                    async with s.post(b.url + "/v1/completions", json={**body, "kv_transfer_params": params}) as r:
+                    async with s.post(b.url + "/v1/completions",
+                                      json={**body, "kv_transfer_params": params}) as r:
                         err = (await r.json())["error"]
                     assert r.status == 502 and err["code"] == "kv_layout_mismatch"
                     assert "kv_dtype float32 here, float8_e4m3fn there" in err["message"]
@@ -226,10 +239,12 @@ async def test_prefill_engine_gone_or_expired(model_dir, decode):
             await settled(s, p)
             assert (await metrics(s, p.url))["prefixgate:kv_transfer_expired_holds_total"] == 1
             status, err = await post_error(s, decode.url, {**body, "kv_transfer_params": params})
-            assert status == 502 and err["code"] == "kv_transfer_not_found" and "expired" in err["message"]
+            assert (status == 502 and err["code"] == "kv_transfer_not_found"
+                    and "expired" in err["message"])
             await settled(s, decode)
             params = await leg1(s, p.url, False, body)
-        status, err = await post_error(s, decode.url, {**body, "stream": True, "kv_transfer_params": params})
+        status, err = await post_error(s, decode.url,
+                                       {**body, "stream": True, "kv_transfer_params": params})
         assert status == 502 and err["code"] == "kv_transfer_failed"
         assert f"127.0.0.1:{params['remote_port']}" in err["message"]
         await settled(s, decode)
@@ -241,9 +256,10 @@ async def test_prefill_engine_dies_mid_transfer(prefill, decode, monkeypatch):
     kv = prefill.server.kv
 
     async def die_after_one_layer(writer, hold, first):
+        layer_bytes = 2 * (hold.num_blocks - first) * kv.block_bytes
         kv_transfer._write_json(writer, {"ok": True, "num_blocks": hold.num_blocks - first,
-                                         "layer_bytes": 2 * (hold.num_blocks - first) * kv.block_bytes})
-        writer.write(kv_transfer.FRAME.pack(b"D", 2 * (hold.num_blocks - first) * kv.block_bytes) + b"x" * 100)
+                                         "layer_bytes": layer_bytes})
+        writer.write(kv_transfer.FRAME.pack(b"D", layer_bytes) + b"x" * 100)
         await writer.drain()
         writer.transport.abort()
         raise ConnectionResetError("killed")
@@ -261,10 +277,11 @@ async def test_prefill_engine_dies_mid_transfer(prefill, decode, monkeypatch):
     ("yes", "'kv_transfer_params'"),
     ({"do_remote_prefill": "true"}, "kv_transfer_params.do_remote_prefill"),
     ({"do_remote_prefill": True, "do_remote_decode": True}, "cannot both"),
-    ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_engine_id": "e",
-      "remote_block_ids": [0]}, "kv_transfer_params.transfer_id"),
-    ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_port": "80",
-      "remote_engine_id": "e", "remote_block_ids": [0]}, "kv_transfer_params.remote_port"),
+    ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+      "remote_engine_id": "e", "remote_block_ids": [0]}, "kv_transfer_params.transfer_id"),
+    ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+      "remote_port": "80", "remote_engine_id": "e", "remote_block_ids": [0]},
+     "kv_transfer_params.remote_port"),
     ({"do_remote_prefill": True, "transfer_id": "t", "remote_port": 80, "remote_engine_id": "e",
       "remote_block_ids": [0]}, "kv_transfer_params.remote_host"),
     ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 80,
@@ -274,7 +291,8 @@ async def test_prefill_engine_dies_mid_transfer(prefill, decode, monkeypatch):
 ])
 async def test_bad_kv_transfer_params_are_400(decode, params, field):
     async with aiohttp.ClientSession() as s:
-        status, err = await post_error(s, decode.url, {**body_for(False, prompt_ids(20)), "kv_transfer_params": params})
+        body = {**body_for(False, prompt_ids(20)), "kv_transfer_params": params}
+        status, err = await post_error(s, decode.url, body)
         await settled(s, decode)
     assert status == 400 and field in err["message"], err
 
@@ -292,12 +310,14 @@ async def test_roles(prefill, decode, single):
         params = await leg1(s, prefill.url, False, body)
         status, err = await post_error(s, prefill.url, {**body, "kv_transfer_params": params})
         assert status == 400 and err["code"] == "kv_role" and "role is prefill" in err["message"]
-        status, err = await post_error(s, prefill.url, {**body, "stream": True, "kv_transfer_params": LEG1_PARAMS})
+        status, err = await post_error(s, prefill.url,
+                                       {**body, "stream": True, "kv_transfer_params": LEG1_PARAMS})
         assert status == 400 and "'stream'" in err["message"]
         other = {**body, "prompt": prompt_ids(33, start=101)}       # the same length, other tokens
         status, err = await post_error(s, decode.url, {**other, "kv_transfer_params": params})
         assert status == 400 and err["code"] == "kv_prompt_mismatch"
-        got = await answer(s, decode.url, False, {**body, "kv_transfer_params": params})   # still held
+        # the hold is still there
+        got = await answer(s, decode.url, False, {**body, "kv_transfer_params": params})
         assert got["token_ids"] == answers[0]["token_ids"]
         await settled(s, prefill, decode)
 
@@ -316,7 +336,8 @@ async def test_client_gone_during_the_pull(prefill, decode, monkeypatch):
     async with aiohttp.ClientSession() as s:
         params = await leg1(s, prefill.url, False, body)
         with pytest.raises(asyncio.TimeoutError):
-            async with s.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": params},
+            async with s.post(decode.url + "/v1/completions",
+                              json={**body, "kv_transfer_params": params},
                               timeout=aiohttp.ClientTimeout(total=0.2)) as r:
                 await r.read()
         await settled(s, prefill, decode)
@@ -326,8 +347,9 @@ def test_kv_transfer_benchmark_runs(model_dir, tmp_path, capsys):
     from prefixgate.backend.bench import kv_handover as bench_kv_transfer
 
     out = tmp_path / "kv.json"
-    assert bench_kv_transfer.main(["--model", str(model_dir), "--prompt-tokens", "200", "--repeats", "1",
-                                   "--num-kv-blocks", "64", "--out", str(out)]) == 0
+    argv = ["--model", str(model_dir), "--prompt-tokens", "200", "--repeats", "1",
+            "--num-kv-blocks", "64", "--out", str(out)]
+    assert bench_kv_transfer.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["median"]["mb_per_s"] > 0 and data["kv_bytes"] == 13 * 2 * 2 * 2048
     assert "recompute / leg 2" in capsys.readouterr().out

@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from prefixgate.backend.sampling import (SamplingParams, find_stop_string, sample,
-                                         stop_token_reason)
+from prefixgate.backend.sampling import SamplingParams, find_stop_string, sample, stop_token_reason
 
 
 def draws(logits_row, params: SamplingParams, n=4000, seed=0) -> torch.Tensor:

@@ -275,7 +275,8 @@ def test_prefilled_sequence_runs_its_last_prompt_token_as_a_decode():
     q = seq(9, max_tokens=3)
     assert s.bm.allocate(q, len(q), s.bm.match_prefix(q))    # as kv_transfer reserves it
     s.add_prefilled(q)
-    assert q.num_computed_tokens == 8 and q.num_hashed_blocks == 2     # full blocks entered in the cache
+    # full blocks entered in the cache
+    assert q.num_computed_tokens == 8 and q.num_hashed_blocks == 2
     first = step(s)
     assert first.is_decode and first.num_new_tokens == [1] and first.samples(0)
     run(s)

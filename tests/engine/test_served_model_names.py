@@ -52,7 +52,8 @@ async def test_models_lists_every_served_name(server, model_dir):
             data = await r.json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == NAMES
     for card in data["data"]:
-        assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"}
+        assert set(card) == {"id", "object", "created", "owned_by", "root", "parent",
+                             "max_model_len"}
         assert card["object"] == "model" and card["parent"] is None
         assert card["root"] == str(model_dir) and card["max_model_len"] == MAX_LEN
 
@@ -130,13 +131,15 @@ async def test_tokenize_chat_matches_the_chat_endpoint(server, client, tok):
     # without the generation prompt
     _, bare = await post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False,
                                                "chat_template_kwargs": {"unused": 1}})
-    assert bare["tokens"] == tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=False))
+    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    assert bare["tokens"] == tok.encode(rendered)
     assert bare["count"] < data["count"]
 
 
 async def test_continue_final_message_leaves_it_open(server, tok):
     messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
-    status, data = await post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+    status, data = await post(server, "/tokenize", {"messages": messages,
+                                                    "add_generation_prompt": False,
                                                     "continue_final_message": True})
     assert status == 200
     text = tok.decode(data["tokens"], skip_special_tokens=False)
@@ -146,8 +149,10 @@ async def test_continue_final_message_leaves_it_open(server, tok):
 async def test_detokenize_round_trips(server, tok):
     for body in ({"prompt": "Hello there! 你好，世界 🚀"}, {"messages": MESSAGES}):
         _, toks = await post(server, "/tokenize", body)
-        status, data = await post(server, "/detokenize", {"model": "tiny", "tokens": toks["tokens"]})
-        expected = body.get("prompt") or tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
+        status, data = await post(server, "/detokenize",
+                                  {"model": "tiny", "tokens": toks["tokens"]})
+        expected = (body.get("prompt")
+                    or tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
         assert status == 200 and data == {"prompt": expected}       # special tokens kept
     assert await post(server, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
 
@@ -156,7 +161,8 @@ async def test_long_prompts_tokenize_off_the_loop_the_same(server, tok):
     prompt = "The quick brown fox jumps over the lazy dog. " * (LONG_TEXT_CHARS // 40)
     status, data = await post(server, "/tokenize", {"prompt": prompt})
     assert status == 200 and data["tokens"] == tok.encode(prompt, add_special_tokens=True)
-    assert data["count"] > MAX_LEN           # counted, not refused: the caller compares with max_model_len
+    # counted, not refused: the caller compares with max_model_len
+    assert data["count"] > MAX_LEN
     status, back = await post(server, "/detokenize", {"tokens": data["tokens"]})
     assert status == 200 and back["prompt"] == prompt
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.common.runtime import wait_ready
+from prefixgate.common.tokenizer import Tokenizer
 from tests.engine.helpers import complete_ids, hf_greedy, load_hf, metrics
 from tests.helpers import ServerThread
 
@@ -74,7 +74,8 @@ async def test_text_prompt_completion(client):
 
 
 async def test_stop_string_cuts_the_text(client):
-    kwargs = dict(model="tiny", prompt="Hello there!", temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(model="tiny", prompt="Hello there!", temperature=0,
+                  extra_body={"ignore_eos": True})
     full = (await client.completions.create(**kwargs, max_tokens=30)).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]
     assert stop.strip(), f"pick a visible stop string from {full!r}"
@@ -89,8 +90,9 @@ async def test_stop_string_cuts_the_text(client):
 
 async def test_seed_makes_sampling_repeatable(client):
     async def draw(seed):
-        r = await client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0,
-                                            seed=seed, extra_body={"ignore_eos": True})
+        r = await client.completions.create(model="tiny", prompt="Hello", max_tokens=16,
+                                            temperature=1.0, seed=seed,
+                                            extra_body={"ignore_eos": True})
         return r.choices[0].text
 
     first, again = await draw(42), await draw(42)
@@ -171,7 +173,8 @@ async def test_metrics_names_and_latency_histograms(server):
         assert after[key] == before.get(key, 0) + 1
     key = "prefixgate:time_per_output_token_seconds_count"
     assert after[key] >= before.get(key, 0) + 3
-    assert after["prefixgate:prefix_cache_queries_total"] == before["prefixgate:prefix_cache_queries_total"] + 4
+    key = "prefixgate:prefix_cache_queries_total"
+    assert after[key] == before[key] + 4
 
 
 async def test_non_streaming_client_that_hangs_up_is_aborted(server):

@@ -8,13 +8,23 @@ import pytest
 import torch
 
 from prefixgate.backend import spec_decode
-from prefixgate.backend.config import (DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_MIN_ACCEPTANCE_RATE,
-                                       parse_speculative_config)
+from prefixgate.backend.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    DEFAULT_MIN_ACCEPTANCE_RATE,
+    parse_speculative_config,
+)
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.sequence import Sequence
 from prefixgate.backend.spec_decode import Speculator, StepCost
 from tests.engine.helpers import (
-    SPEC, assert_same, assert_speculated, generate, greedy, make_engine, quoting_prompt, run_both,
+    SPEC,
+    assert_same,
+    assert_speculated,
+    generate,
+    greedy,
+    make_engine,
+    quoting_prompt,
+    run_both,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,7 +54,8 @@ def _wls_break_even(obs: list[tuple[int, float]], batch: int) -> float:
     """The break-even rate from a weighted least-squares fit done independently of `StepCost`
     (torch's lstsq; the newest observation weighs 1, each older one _COST_DECAY times the next)."""
     m = len(obs)
-    w = torch.tensor([spec_decode._COST_DECAY ** (m - 1 - i) for i in range(m)], dtype=torch.float64).sqrt()
+    w = torch.tensor([spec_decode._COST_DECAY ** (m - 1 - i) for i in range(m)],
+                     dtype=torch.float64).sqrt()
     x = torch.tensor([[1.0, n] for n, _ in obs], dtype=torch.float64) * w[:, None]
     y = torch.tensor([[t] for _, t in obs], dtype=torch.float64) * w[:, None]
     a, c = torch.linalg.lstsq(x, y).solution.flatten().tolist()
@@ -61,7 +72,8 @@ def test_step_cost_recovers_the_break_even_rate():
     _feed(cost, A16, C16)
     assert cost.break_even(16) == pytest.approx(0.6, abs=1e-9)
     assert cost.break_even(1) == pytest.approx(3 / 35, abs=1e-9)
-    assert 0 < cost.break_even(1) < cost.break_even(4) < cost.break_even(16) < cost.break_even(64) < 1
+    assert (0 < cost.break_even(1) < cost.break_even(4) < cost.break_even(16)
+            < cost.break_even(64) < 1)
     # only the step time's shape matters: the same steps twice as slow break even at the same rate
     slow = StepCost()
     _feed(slow, 2 * A16, 2 * C16)
@@ -193,7 +205,8 @@ def test_speculator_bar_rises_with_the_batch():
     sp0 = Speculator(parse_speculative_config({"num_speculative_tokens": 10, "prompt_lookup_min": 1,
                                                "min_acceptance_rate": 0}))
     _feed(sp0.cost, A16, C16)
-    assert sp0.bar(1) == pytest.approx(3 / 35, abs=1e-9) and sp0.bar(16) == pytest.approx(0.6, abs=1e-9)
+    assert (sp0.bar(1) == pytest.approx(3 / 35, abs=1e-9)
+            and sp0.bar(16) == pytest.approx(0.6, abs=1e-9))
     # a floor over the break-even rate is the bar
     sp9 = Speculator(parse_speculative_config({"num_speculative_tokens": 10, "prompt_lookup_min": 1,
                                                "min_acceptance_rate": 0.9}))
@@ -292,8 +305,10 @@ def test_speculator_without_a_threshold_never_pauses():
 def test_speculator_has_no_batch_cap_unless_configured():
     assert DEFAULT_DISABLE_BY_BATCH_SIZE is None and DEFAULT_MIN_ACCEPTANCE_RATE == 0.1
     for raw in ({"num_speculative_tokens": 2, "prompt_lookup_min": 1},
-                {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "disable_by_batch_size": None},
-                '{"num_speculative_tokens": 2, "prompt_lookup_min": 1, "disable_by_batch_size": null}'):
+                {"num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                 "disable_by_batch_size": None},
+                '{"num_speculative_tokens": 2, "prompt_lookup_min": 1, '
+                '"disable_by_batch_size": null}'):
         config = parse_speculative_config(raw)
         assert config.disable_by_batch_size is None and config.min_acceptance_rate == 0.1
         sp = Speculator(config)
@@ -335,7 +350,8 @@ def test_engine_feeds_the_step_cost_fit(model):
     So the timing claim must hold in one of up to 5 runs (a fresh engine each); everything
     else is checked on every run."""
     # a batch that shrinks from 4 sequences to 1: decode steps of 1 to ~24 tokens
-    reqs = {f"r{i}": (quoting_prompt(24 + 8 * i, seed=1100 + i), greedy(12 + 12 * i)) for i in range(4)}
+    reqs = {f"r{i}": (quoting_prompt(24 + 8 * i, seed=1100 + i), greedy(12 + 12 * i))
+            for i in range(4)}
     fits = []
     for _ in range(5):
         e = make_engine(model, SPEC)

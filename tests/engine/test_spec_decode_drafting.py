@@ -66,9 +66,9 @@ def test_parse_speculative_config_defaults_and_values():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (7, 7)
     c = parse_speculative_config({"num_speculative_tokens": 4, "prompt_lookup_min": 2})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
-    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3, "disable_by_batch_size": 8,
-                                  "min_acceptance_rate": 1})
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                  "disable_by_batch_size": 8, "min_acceptance_rate": 1})
     assert (c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (1, 3, 8)
     assert c.min_acceptance_rate == 1.0 and isinstance(c.min_acceptance_rate, float)
     c = parse_speculative_config({"num_speculative_tokens": 1, "min_acceptance_rate": 0})
@@ -88,8 +88,10 @@ def test_parse_speculative_config_defaults_and_values():
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),   # given alone
     ({"num_speculative_tokens": 2, "prompt_lookup_min": -1}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 2.5}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 0}, "prompt_lookup_max"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 0},
+     "prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": True}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),

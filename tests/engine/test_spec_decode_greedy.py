@@ -25,8 +25,17 @@ import pytest
 
 from prefixgate.common.tokenizer import IncrementalDecoder
 from tests.engine.helpers import (
-    SPEC, Result, assert_same, assert_speculated, generate, greedy, make_engine, prompt_of,
-    quoting_prompt, record_drafts, run_both,
+    SPEC,
+    Result,
+    assert_same,
+    assert_speculated,
+    generate,
+    greedy,
+    make_engine,
+    prompt_of,
+    quoting_prompt,
+    record_drafts,
+    run_both,
 )
 from tests.helpers import VOCAB_SIZE
 
@@ -137,8 +146,8 @@ def test_max_model_len_is_respected(model):
     # of the cost fit timed here, sequences whose drafts fail pause by then (on a busy CPU a
     # fit tipped by a preempted step pauses them all), so no bar here: drafts whenever the
     # n-gram matches.
-    plain, spec, e, drafts = run_both(model, reqs, dataclasses.replace(SPEC, min_acceptance_rate=0.0),
-                                      fixed_cost=True, max_model_len=64)
+    no_bar = dataclasses.replace(SPEC, min_acceptance_rate=0.0)
+    plain, spec, e, drafts = run_both(model, reqs, no_bar, fixed_cost=True, max_model_len=64)
     assert_same(plain, spec)
     for rid, (prompt, _) in reqs.items():
         assert len(prompt) + spec[rid].completion_tokens == 64

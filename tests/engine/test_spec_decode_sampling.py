@@ -13,7 +13,13 @@ import torch
 from prefixgate.backend.config import parse_speculative_config
 from prefixgate.backend.sampling import SamplingParams, verify
 from tests.engine.helpers import (
-    BLOCK, PagedCache, assert_speculated, generate, greedy, make_engine, quoting_prompt,
+    BLOCK,
+    PagedCache,
+    assert_speculated,
+    generate,
+    greedy,
+    make_engine,
+    quoting_prompt,
 )
 from tests.helpers import VOCAB_SIZE, make_tiny_model
 
@@ -51,7 +57,8 @@ def chi2_two_sample(a: list, b: list, min_count: int = 10) -> tuple[float, int]:
     return (chi2_sf(stat, len(cells) - 1) if len(cells) > 1 else 1.0), len(cells)
 
 
-def chi2_goodness_of_fit(samples: list[int], probs: list[float], min_expected: float = 5.0) -> float:
+def chi2_goodness_of_fit(samples: list[int], probs: list[float],
+                         min_expected: float = 5.0) -> float:
     """p-value of Pearson's chi-square test that `samples` come from `probs` (cells expected
     fewer than `min_expected` times pooled)."""
     n, counts = len(samples), Counter(samples)
@@ -104,7 +111,8 @@ def coin_flip_prompts(llama):
     logits = cache.step(e.model, {k: [k] * 9 for k in ks})
     score = {}
     for k in ks:
-        p_first, p_next = torch.softmax(logits[k][7:9].double() / TEMPERATURE, dim=-1)[:, k].tolist()
+        probs = torch.softmax(logits[k][7:9].double() / TEMPERATURE, dim=-1)
+        p_first, p_next = probs[:, k].tolist()
         score[k] = p_first * min(p_next, 1 - p_next)
     best = sorted(ks, key=score.get, reverse=True)[:3]
     assert score[best[-1]] > 0.05, "no prompt makes drafts coin flips for this model"
@@ -150,7 +158,8 @@ def test_sampling_with_drafts_keeps_the_distribution(llama, coin_flip_prompts):
     informative = 0
     for j in range(len(prompts)):
         for label, key in stats:
-            p, cells = chi2_two_sample([key(j, o) for o in plain[j]], [key(j, o) for o in drafted[j]])
+            p, cells = chi2_two_sample([key(j, o) for o in plain[j]],
+                                       [key(j, o) for o in drafted[j]])
             assert p > 0.001, f"prompt {j}, {label}: p={p:.2g}"
             informative += cells >= 3
     assert informative >= 15      # the tests had categories to compare, not one lumped cell

@@ -20,12 +20,13 @@ import yaml
 
 from prefixgate.backend.cli import build_parser, speculative_config
 from prefixgate.backend.config import SpeculativeConfig
-from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.bundled import BundledEngines
+from prefixgate.proxy.config import gateway as config_mod
 from tests.helpers import ServerThread, Serving
 
 K = 5
-SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}
 MAX_TOKENS = 40
 NAME = "tiny"
 # Prompts under which the tiny random model's greedy output loops, so n-gram drafts are
@@ -43,6 +44,7 @@ SPEC_METRICS = ["prefixgate:spec_decode_num_drafts_total",
                 "prefixgate:spec_decode_num_draft_tokens_total",
                 "prefixgate:spec_decode_num_accepted_tokens_total"]
 PER_POS = "prefixgate:spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_LINE = re.compile(r'^(prefixgate:spec_decode_\w+)(?:\{position="(\d+)"\})? ([-+\d.eE]+)$')
 
 
 def engine_argv(model_dir, *flags) -> list[str]:
@@ -98,8 +100,10 @@ async def ask(server, kind: str, prompt, stream: bool, *, include_usage: bool = 
         if not stream:
             choice = resp.choices[0]
             text = choice.message.content if kind == "chat" else choice.text
-            return {"text": text, "ids": choice.model_extra["token_ids"], "finish": choice.finish_reason,
-                    "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens), "chunks": None}
+            return {"text": text, "ids": choice.model_extra["token_ids"],
+                    "finish": choice.finish_reason,
+                    "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens),
+                    "chunks": None}
         text, ids, finish, usage, chunks, usage_only = [], [], None, None, [], 0
         async for c in resp:
             if c.usage is not None:
@@ -119,7 +123,8 @@ async def ask(server, kind: str, prompt, stream: bool, *, include_usage: bool = 
             chunks.append(len(chunk_ids))
             finish = choice.finish_reason or finish
         assert usage_only == (1 if include_usage else 0)
-        return {"text": "".join(text), "ids": ids, "finish": finish, "usage": usage, "chunks": chunks}
+        return {"text": "".join(text), "ids": ids, "finish": finish, "usage": usage,
+                "chunks": chunks}
     finally:
         await client.close()
 
@@ -136,7 +141,7 @@ async def spec_counters(server) -> dict:
     text = await scrape(server)
     out = {PER_POS: {}}
     for line in text.splitlines():
-        if m := re.match(r'^(prefixgate:spec_decode_\w+)(?:\{position="(\d+)"\})? ([-+\d.eE]+)$', line):
+        if m := SPEC_LINE.match(line):
             name, pos, value = m.group(1), m.group(2), float(m.group(3))
             if pos is None:
                 out[name] = value
@@ -250,7 +255,8 @@ async def test_drafts_under_kv_pressure_with_preemptions_answer_as_without(model
         check_invariants(counters)
         assert counters[SPEC_METRICS[2]] > 0
         text = await scrape(tight)
-        assert float(re.search(r"^prefixgate:num_preemptions_total (\S+)$", text, re.M).group(1)) > 0
+        preemptions = re.search(r"^prefixgate:num_preemptions_total (\S+)$", text, re.M)
+        assert float(preemptions.group(1)) > 0
         await settled(tight, blocks)
 
 
@@ -392,7 +398,8 @@ def test_a_bad_speculative_config_stops_the_engine_at_once_naming_the_flag_and_k
             assert procs[value].returncode == 1, (value, err)
             lines = err.strip().splitlines()
             assert len(lines) == 1, err
-            assert lines[0].startswith("prefixgate backend: --speculative-config: ") and key in lines[0], err
+            assert (lines[0].startswith("prefixgate backend: --speculative-config: ")
+                    and key in lines[0]), err
             assert "Traceback" not in err and "engine ready" not in err   # before any model load
             assert out == ""
     finally:
@@ -407,7 +414,8 @@ def test_a_bad_speculative_config_stops_the_engine_at_once_naming_the_flag_and_k
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"prompt_lookup_max": 4}, "num_speculative_tokens"),            # required
     ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
-    ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
     ({"num_speculative_tokens": 3, "min_acceptance_rate": 2}, "min_acceptance_rate"),
     ({"num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 3, "draft_model": "x"}, "draft_model"),
@@ -434,7 +442,8 @@ def test_a_bundled_speculative_config_becomes_the_engines_flag():
     assert speculative_config(build_parser().parse_args(args)) == SpeculativeConfig(
         num_speculative_tokens=K, prompt_lookup_min=2, prompt_lookup_max=4)
     # the flag in `args` wins; no config, no flag
-    own = config_mod.validate({"bundled": {"args": ["--speculative-config", '{"num_speculative_tokens": 2}'],
+    own = config_mod.validate({"bundled": {"args": ["--speculative-config",
+                                                    '{"num_speculative_tokens": 2}'],
                                            "speculative_config": SPEC}})
     assert BundledEngines(own["bundled"]).engine_args() == [
         "--speculative-config", '{"num_speculative_tokens": 2}']
@@ -450,7 +459,8 @@ async def test_a_gateway_serves_through_a_bundled_engine_that_drafts(model_dir, 
               "bundled": {"model": str(model_dir), "instances": 1,
                           "args": ["--dtype", "float32", "--num-kv-blocks", "128",
                                    "--served-model-name", NAME],
-                          "speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                          "speculative_config": {"num_speculative_tokens": 3,
+                                                 "prompt_lookup_min": 2,
                                                  "prompt_lookup_max": 3}},
               "plugins": [{"metrics": {}}]}
     path = tmp_path / "gw.yaml"

@@ -46,7 +46,8 @@ def traced():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")      # export within ms, not the SDK's 5 s
         mp.delenv("OTEL_SERVICE_NAME", raising=False)
-        with ServerThread(["--model", "demo", "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"]) as s:
+        argv = ["--model", "demo", "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"]
+        with ServerThread(argv) as s:
             s.collector_port = port
             yield s
 
@@ -102,8 +103,10 @@ async def test_answers_carry_the_ttft_breakdown(server, path, stream):
 async def test_a_repeated_long_prompt_is_mostly_cached(server):
     text = f"{uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog. " * 12
     async with aiohttp.ClientSession() as s:
-        first, _ = await ask(s, server.url, "/v1/completions", body_for("/v1/completions", False, text))
-        again, usage = await ask(s, server.url, "/v1/completions", body_for("/v1/completions", True, text))
+        first, _ = await ask(s, server.url, "/v1/completions",
+                             body_for("/v1/completions", False, text))
+        again, usage = await ask(s, server.url, "/v1/completions",
+                                 body_for("/v1/completions", True, text))
     _, computed, cached = breakdown(first)
     assert cached == 0 and computed > 64
     _, computed, cached = breakdown(again)
@@ -151,8 +154,10 @@ async def test_llm_request_span_continues_the_callers_trace(traced, collector):
     async with aiohttp.ClientSession() as s:
         value, usage = await ask(s, traced.url, "/v1/chat/completions",
                                  body_for("/v1/chat/completions", True), headers)
-        _, root_usage = await ask(s, traced.url, "/v1/completions", body_for("/v1/completions", False))
-    spans = await collector.wait_for(lambda got: len([x for x in got if x["name"] == "llm_request"]) >= 2)
+        _, root_usage = await ask(s, traced.url, "/v1/completions",
+                                  body_for("/v1/completions", False))
+    spans = await collector.wait_for(
+        lambda got: len([x for x in got if x["name"] == "llm_request"]) >= 2)
     child = next(x for x in spans if x["attributes"].get("gen_ai.request.id") == "caller-42")
     root = next(x for x in spans if x is not child and x["name"] == "llm_request")
 
@@ -161,7 +166,8 @@ async def test_llm_request_span_continues_the_callers_trace(traced, collector):
     assert child["status"] == 0                     # unset: it went well
     a = child["attributes"]
     assert a["gen_ai.response.model"] == "demo"
-    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"], a["gen_ai.request.top_p"]) == (4, 0, 1)
+    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"],
+            a["gen_ai.request.top_p"]) == (4, 0, 1)
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 4
     assert a["prefixgate.cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
@@ -170,7 +176,8 @@ async def test_llm_request_span_continues_the_callers_trace(traced, collector):
     assert abs(a["gen_ai.latency.time_in_model_prefill"] * 1e3 - durs["prefill"]) <= 0.06
     assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(
         a["gen_ai.latency.time_in_queue"] + a["gen_ai.latency.time_in_model_prefill"])
-    assert a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"] + a["gen_ai.latency.time_in_model_decode"] - 1e-9
+    assert a["gen_ai.latency.e2e"] >= (a["gen_ai.latency.time_to_first_token"]
+                                       + a["gen_ai.latency.time_in_model_decode"] - 1e-9)
     assert a["gen_ai.latency.time_in_model_decode"] > 0
     events = child["events"]
     assert [e["name"] for e in events] == ["scheduled", "first_token"]
@@ -190,8 +197,9 @@ async def test_failed_and_aborted_requests_end_their_span_with_an_error(traced, 
                          json=body_for("/v1/completions", True, max_tokens=4000))
         await r.content.readline()
         r.close()
-    spans = await collector.wait_for(lambda got: {x["attributes"].get("gen_ai.request.id") for x in got}
-                                     >= {"gone"} and len(got) >= 2)
+    spans = await collector.wait_for(
+        lambda got: {x["attributes"].get("gen_ai.request.id") for x in got} >= {"gone"}
+        and len(got) >= 2)
     bad = next(x for x in spans if "gen_ai.request.id" not in x["attributes"])
     gone = next(x for x in spans if x["attributes"].get("gen_ai.request.id") == "gone")
     assert bad["status"] == gone["status"] == 2     # ERROR
@@ -202,7 +210,8 @@ async def test_an_unreachable_collector_costs_no_request(traced):
     """No collector listens (this runs after the ones that start one): every request is served."""
     async with aiohttp.ClientSession() as s:
         results = await asyncio.gather(*(ask(s, traced.url, "/v1/completions",
-                                             body_for("/v1/completions", i % 2 == 0)) for i in range(6)))
+                                             body_for("/v1/completions", i % 2 == 0))
+                                         for i in range(6)))
     for value, usage in results:
         breakdown(value)
         assert usage["completion_tokens"] == 4
@@ -214,7 +223,8 @@ def test_a_tracing_flag_that_cannot_work_is_one_line_at_start(flag, needle, monk
     from prefixgate.backend.cli import main
 
     if "SDK" in needle:     # as if the `otel` extra were not installed
-        monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+        monkeypatch.setitem(sys.modules,
+                            "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
     assert main(["--model", "demo", "--port", "0", "--otlp-traces-endpoint", flag]) == 1
     err = capsys.readouterr().err
     assert needle in err and "--otlp-traces-endpoint" in err and "Traceback" not in err

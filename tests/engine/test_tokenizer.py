@@ -8,7 +8,10 @@ import shutil
 import pytest
 
 from prefixgate.common.tokenizer import (
-    ChatTemplateError, IncrementalDecoder, Tokenizer, TokenizerLoadError,
+    ChatTemplateError,
+    IncrementalDecoder,
+    Tokenizer,
+    TokenizerLoadError,
 )
 from tests.helpers import QWEN_STYLE_TEMPLATE, make_tiny_model
 
@@ -17,7 +20,8 @@ TOOLS = [{
     "function": {
         "name": "get_weather",
         "description": "查询城市天气 / weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
     },
 }]
 
@@ -32,8 +36,10 @@ CONVERSATIONS = {
     "tool_round_trip": [
         {"role": "user", "content": "Weather in Paris and Beijing?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "北京"}}},
+            {"type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "北京"}}},
         ]},
         {"role": "tool", "content": "{\"temp\": 18}"},
         {"role": "tool", "content": "{\"temp\": 25}"},
@@ -90,21 +96,25 @@ def test_token_ids_equal_transformers(qwen_style_dir):
     ids = ours.encode(ours.apply_chat_template(messages, tools=TOOLS))
     assert ids == _hf(qwen_style_dir).apply_chat_template(
         messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert ours.decode(ids, skip_special_tokens=False) == ours.apply_chat_template(messages, tools=TOOLS)
+    assert (ours.decode(ids, skip_special_tokens=False)
+            == ours.apply_chat_template(messages, tools=TOOLS))
 
 
 def test_special_token_variables_and_template_globals(tiny_dir, tmp_path):
     d = shutil.copytree(tiny_dir, tmp_path / "m")
     (d / "chat_template.jinja").write_text(
         "{{ eos_token }}|{{ pad_token }}|{{ bos_token is defined }}|{{ strftime_now('%Y') }}|"
-        "{{ messages | tojson }}|{{ dict(a=1) | tojson }}{% for m in messages %}{% break %}{% endfor %}"
+        "{{ messages | tojson }}|{{ dict(a=1) | tojson }}"
+        "{% for m in messages %}{% break %}{% endfor %}"
         "{% generation %}{{ custom }}{% endgeneration %}"
     )
     messages = [{"role": "user", "content": "é<tag>"}]
     ours = Tokenizer.from_dir(d).apply_chat_template(messages, custom="X")
-    assert ours == _hf(d).apply_chat_template(messages, tokenize=False, custom="X", add_generation_prompt=True)
+    assert ours == _hf(d).apply_chat_template(messages, tokenize=False, custom="X",
+                                              add_generation_prompt=True)
     year = datetime.datetime.now().strftime("%Y")
-    assert ours == f'<|im_end|>|<|endoftext|>|False|{year}|[{{"role": "user", "content": "é<tag>"}}]|{{"a": 1}}X'
+    assert ours == (f'<|im_end|>|<|endoftext|>|False|{year}|'
+                    '[{"role": "user", "content": "é<tag>"}]|{"a": 1}X')
 
 
 def test_raise_exception_becomes_a_clear_error(tiny_dir):
@@ -196,14 +206,16 @@ def test_incremental_decoder_flushes_a_cut_off_character(tiny_dir):
 def test_incremental_decoding_with_sentencepiece_style_spaces(tmp_path):
     """Llama-2/Mistral tokenizers mark spaces with '▁' and drop the first one on decode; a token
     decoded on its own would lose its space, so the decoder must decode with context."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     raw = HFTokenizer(models.BPE(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Metaspace()
     raw.decoder = decoders.Metaspace()
     corpus = ["the cat sat on the mat", "a streaming decoder keeps its spaces", "hello world"] * 5
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"],
-                                                        show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"],
+                                  show_progress=False)
+    raw.train_from_iterator(corpus, trainer)
     raw.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     tok = Tokenizer.from_dir(tmp_path)

@@ -1,4 +1,4 @@
-"""Warm-up before ready (issue #17): `/health` is 503 and generation is refused with an
+"""Warm-up before ready: `/health` is 503 and generation is refused with an
 OpenAI-shaped 503 until the warm-up has run; afterwards nothing of it shows (counters, metrics,
 prefix cache, KV blocks, the speculator's step-cost fit); `--skip-server-warmup` serves at once;
 `prefixgate serve` says it listens only after its bundled engine has warmed up.
@@ -77,9 +77,11 @@ async def test_health_and_generation_answer_503_until_the_warmup_has_run():
             async with s.get(server.url + "/health") as r:
                 assert (r.status, await r.json()) == (200, {"status": "ok"})
             report = server.engine.warmup_report
-            assert report.batch_sizes == [1, 64] and (report.chunk_tokens, report.prefix_tokens) == (2048, 64)
-            chat = await client.chat.completions.create(model="demo", max_tokens=2, extra_body={"ignore_eos": True},
-                                                        messages=[{"role": "user", "content": "hi"}])
+            assert (report.batch_sizes == [1, 64]
+                    and (report.chunk_tokens, report.prefix_tokens) == (2048, 64))
+            chat = await client.chat.completions.create(
+                model="demo", max_tokens=2, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": "hi"}])
             assert chat.usage.completion_tokens == 2
             await client.close()
     finally:
@@ -146,7 +148,8 @@ async def test_serve_says_it_listens_only_after_its_bundled_engine_warmed_up(mod
             async with s.get(engine_url + "/health") as r:
                 assert r.status == 200
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
-        chat = await client.chat.completions.create(model=model_dir.name, max_tokens=3, temperature=0,
+        chat = await client.chat.completions.create(model=model_dir.name, max_tokens=3,
+                                                    temperature=0,
                                                     extra_body={"ignore_eos": True},
                                                     messages=[{"role": "user", "content": "hello"}])
         assert chat.usage.completion_tokens == 3

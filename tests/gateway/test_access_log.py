@@ -8,10 +8,9 @@ import os
 import aiohttp
 import pytest
 
+from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.observe.access_log import FIELDS
-from prefixgate.common.schema import ConfigError
-
 from tests.helpers import CHAT
 
 KEY = "sk-test-secret-key-123"

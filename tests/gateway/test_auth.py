@@ -8,10 +8,10 @@ import json
 import aiohttp
 import pytest
 
-from prefixgate.proxy.config import gateway as config_mod
-from prefixgate.proxy.app import Gateway
 from prefixgate.common.runtime import start_app
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config import gateway as config_mod
 from tests.helpers import CHAT, assert_openai_error
 
 KEY, OTHER = "sk-gateway-key-1", "sk-gateway-key-2"

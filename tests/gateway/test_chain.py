@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -22,7 +21,8 @@ async def chat(client, url, **extra):
 
 async def test_round_robin_alternates(make_standin, make_gateway):
     a, b = await make_standin(), await make_standin()
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
+                                           {"name": "b", "url": b.url}],
                              "plugins": ["round_robin"]})
     async with aiohttp.ClientSession() as client:
         picks = [(await chat(client, gw.url))[1] for _ in range(10)]
@@ -32,7 +32,8 @@ async def test_round_robin_alternates(make_standin, make_gateway):
 
 async def test_least_inflight_avoids_the_busy_upstream(make_standin, make_gateway):
     a, b = await make_standin(), await make_standin()
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
+                                           {"name": "b", "url": b.url}],
                              "plugins": ["least_inflight"]})
     async with aiohttp.ClientSession() as client:
         busy = asyncio.create_task(chat(client, gw.url, x_standin={"first_delay": 1.5}))
@@ -45,7 +46,8 @@ async def test_least_inflight_avoids_the_busy_upstream(make_standin, make_gatewa
 async def test_weighted_scorers_compose(make_standin, make_gateway):
     a, b = await make_standin(), await make_standin()
     # round robin (weight 1) alternates; least_inflight (weight 1) is a tie when idle
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
+                                           {"name": "b", "url": b.url}],
                              "plugins": [{"round_robin": {"weight": 1}},
                                          {"least_inflight": {"weight": 0.5}}]})
     async with aiohttp.ClientSession() as client:
@@ -79,7 +81,10 @@ async def test_health_and_metrics(make_standin, make_gateway):
         async with client.get(gw.url + "/metrics") as r:
             text = await r.text()
             assert r.headers["Content-Type"].startswith("text/plain")
-    value = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+    def value(name):
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
     assert value('prefixgate_requests_total{model="standin-model",status="200"}') == 3
     assert value('prefixgate_requests_total{model="",status="400"}') == 1     # no model read
     for stage in ("gateway", "queue", "connect", "upstream_ttft"):   # the TTFT breakdown
@@ -111,7 +116,8 @@ async def test_prefixgate_serve_end_to_end(make_standin, tmp_path):
 
 async def test_upstreams_join_and_leave_without_a_restart(make_standin, make_gateway):
     a, b = await make_standin(), await make_standin(tokens=50, gap=0.02)
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}], "plugins": ["round_robin"]})
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}],
+                             "plugins": ["round_robin"]})
     cfg_a = gw.gateway.upstreams[0].cfg
     cfg_b = {**cfg_a, "name": "b", "url": b.url}
     await gw.gateway.set_upstreams([cfg_a, cfg_b])

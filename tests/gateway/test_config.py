@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from prefixgate.proxy.config import gateway as config
-from prefixgate.proxy.app import Gateway
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config import gateway as config
 
 GOOD = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}]}
 
@@ -17,7 +17,8 @@ GOOD = {"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}]}
     ({"upstreams": [{"name": "a"}]}, "upstreams[0].url: required"),
     ({"upstreams": [{"url": "http://x", "max_inflight": "many"}]},
      "upstreams[0].max_inflight: must be an integer"),
-    ({"upstreams": [{"url": "http://x", "max_inflight": 0}]}, "upstreams[0].max_inflight: must be > 0"),
+    ({"upstreams": [{"url": "http://x", "max_inflight": 0}]},
+     "upstreams[0].max_inflight: must be > 0"),
     ({"upstreams": [{"url": "ftp://x"}]}, "upstreams[0].url: must start with http://"),
     ({"upstreams": [{"url": "http://x", "colour": "red"}]}, "upstreams[0].colour: unknown key"),
     ({**GOOD, "listne": {}}, "listne: unknown key"),
@@ -92,12 +93,16 @@ def test_bundled_load_format_is_checked_and_becomes_the_engines_flag():
     from prefixgate.backend.loader import LOAD_FORMATS
     from prefixgate.proxy.bundled import BundledEngines
 
-    with pytest.raises(ConfigError, match=r"bundled.load_format: must be one of mmap, eager \(got 'lazy'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"bundled.load_format: must be one of mmap, eager \(got 'lazy'\)"):
         config.validate({"bundled": {"load_format": "lazy"}})
     for fmt in LOAD_FORMATS:        # the gateway lists the engine's formats without importing torch
         assert config.validate({"bundled": {"load_format": fmt}})["bundled"]["load_format"] == fmt
-    assert BundledEngines(config.validate({"bundled": {}})["bundled"]).engine_args() == []   # mmap: the default
+    bare = config.validate({"bundled": {}})
+    assert BundledEngines(bare["bundled"]).engine_args() == []   # mmap: the default
     eager = config.validate({"bundled": {"load_format": "eager", "args": ["--max-num-seqs", "8"]}})
-    assert BundledEngines(eager["bundled"]).engine_args() == ["--max-num-seqs", "8", "--load-format", "eager"]
+    assert BundledEngines(eager["bundled"]).engine_args() == ["--max-num-seqs", "8",
+                                                              "--load-format", "eager"]
     own = config.validate({"bundled": {"load_format": "eager", "args": ["--load-format", "mmap"]}})
-    assert BundledEngines(own["bundled"]).engine_args() == ["--load-format", "mmap"]    # the args win
+    # the args win
+    assert BundledEngines(own["bundled"]).engine_args() == ["--load-format", "mmap"]

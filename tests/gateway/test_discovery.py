@@ -8,10 +8,9 @@ import socket
 import aiohttp
 import pytest
 
-from prefixgate.proxy.config.gateway import validate
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
-
 from tests.helpers import FAMILIES, Answers, body, post
 
 
@@ -77,8 +76,7 @@ async def test_a_failed_or_empty_lookup_keeps_the_last_set(make_gateway, pods):
     await until(lambda: names(gw) == [f"127.0.0.4:{port}"])
     for failure in (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), []):
         answers.now = failure
-        calls = answers.calls
-        await until(lambda: answers.calls >= calls + 3)
+        await until(lambda calls=answers.calls: answers.calls >= calls + 3)
         assert names(gw) == [f"127.0.0.4:{port}"]
     async with aiohttp.ClientSession() as client:
         assert (await post(client, gw.url, body("s", "q")))[:2] == (200, f"127.0.0.4:{port}")

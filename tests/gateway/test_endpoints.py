@@ -463,7 +463,8 @@ async def test_model_alias_in_an_upload(make_standin, make_gateway):
     assert status == 200, answer
     got = s.requests[-1]
     assert got["form"]["model"] == "whisper-large-v3"
-    assert got["file"]["size"] == 10 and got["file"]["sha256"] == hashlib.sha256(b"x" * 10).hexdigest()
+    assert (got["file"]["size"] == 10
+            and got["file"]["sha256"] == hashlib.sha256(b"x" * 10).hexdigest())
 
 
 async def test_a_model_added_at_run_time_becomes_routable(make_standin, make_gateway):

@@ -9,7 +9,6 @@ import pytest
 
 from prefixgate.proxy import route
 from prefixgate.proxy.exchange import may_retry
-
 from tests.helpers import CHAT
 
 

@@ -102,8 +102,9 @@ async def test_killed_mid_stream_ends_with_an_sse_error_and_is_not_retried(make_
 async def test_upstream_process_killed_mid_stream(make_standin, make_gateway):
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixgate.proxy.testing.standin", "--port", str(port), "--tokens", "40",
-        "--gap", "0.05", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        sys.executable, "-m", "prefixgate.proxy.testing.standin", "--port", str(port),
+        "--tokens", "40", "--gap", "0.05",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as client:

@@ -28,7 +28,7 @@ async def read_request(reader) -> bytes:
 
 async def test_keepalive_reuses_one_connection(standin):
     pool = Pool(standin.url, limit=4, connect_timeout=2)
-    for i in range(10):
+    for _ in range(10):
         resp = await pool.request("POST", "/v1/completions", JSON, b'{"prompt": "x"}')
         assert resp.status == 200 and resp.content_type == "application/json"
         assert b"tok0" in await resp.read_all()

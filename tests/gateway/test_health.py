@@ -38,7 +38,8 @@ async def test_probes_eject_a_dead_upstream_and_restore_it(make_standin, make_ga
     b = await make_standin()
     await b.stop()
     b = await (type(b)(b.behaviour)).start(port=port)
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
+                                           {"name": "b", "url": b.url}],
                              "plugins": ["round_robin", "metrics"], "health": FAST})
     async with aiohttp.ClientSession() as client:
         assert (await health(client, gw.url))["upstreams"]["b"]["healthy"] is True

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.upstream.h1pool import Pool
 from prefixgate.proxy.upstream.multipart import boundary_of, iter_body, read_head
-from prefixgate.common.runtime import start_app
 
 B = b"XyZ-boundary"
 CT = "multipart/form-data; boundary=XyZ-boundary"

@@ -10,14 +10,19 @@ import aiohttp
 import openai
 import pytest
 
-from prefixgate.proxy.config import gateway as config_mod
-from prefixgate.proxy.app import Gateway
-from prefixgate.proxy.pd import REMOTE_DECODE
 from prefixgate.common.schema import ConfigError
-from prefixgate.proxy.testing.pd_standin import (Bootstrap, KVStore, SglangDecode,
-                                                 SglangPrefill, VllmDecode, VllmPrefill)
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.proxy.pd import REMOTE_DECODE
+from prefixgate.proxy.testing.pd_standin import (
+    Bootstrap,
+    KVStore,
+    SglangDecode,
+    SglangPrefill,
+    VllmDecode,
+    VllmPrefill,
+)
 from prefixgate.proxy.testing.standin import Behaviour
-
 from tests.helpers import CHAT, CONF, event_json, read_events
 
 MODEL = "standin-model"

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import yaml
 
-from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.config import gateway as config_mod
 from tests.helpers import CHAT, event_json, read_events
 
 

@@ -7,7 +7,6 @@ import time
 
 import aiohttp
 import openai
-import pytest
 
 from tests.helpers import CHAT, event_json, read_events
 
@@ -74,7 +73,8 @@ async def test_request_fields_pass_through_untouched(make_standin, make_gateway)
     up = await make_standin()
     gw = await make_gateway({"upstreams": [{"name": "a", "url": up.url}]})
     body = {
-        "model": "standin-model", "messages": [{"role": "user", "content": "天气? ☀"}], "stream": False,
+        "model": "standin-model", "messages": [{"role": "user", "content": "天气? ☀"}],
+        "stream": False,
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}}],
         "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 3,

@@ -10,8 +10,12 @@ import pytest
 
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.prerender import PromptCache
-from prefixgate.proxy.token_forward import (StreamConverter, chat_to_completions,
-                                              completion_to_chat, eligible)
+from prefixgate.proxy.token_forward import (
+    StreamConverter,
+    chat_to_completions,
+    completion_to_chat,
+    eligible,
+)
 from tests.helpers import ServerThread, make_tiny_model
 
 MESSAGES = [{"role": "system", "content": "You are brief. " * 20},
@@ -86,10 +90,15 @@ async def test_streamed_answer_matches_the_chat_endpoint(server, model_dir):
     assert a[-1] == b[-1] == b"[DONE]"
     a, b = [json.loads(x) for x in a[:-1]], [json.loads(x) for x in b[:-1]]
     assert all(x["object"] == "chat.completion.chunk" for x in b)
-    text = lambda evs: "".join(c["delta"].get("content") or "" for x in evs for c in x["choices"])
+
+    def text(evs):
+        return "".join(c["delta"].get("content") or "" for x in evs for c in x["choices"])
+
+    def finish(evs):
+        return [c["finish_reason"] for x in evs for c in x["choices"] if c["finish_reason"]]
+
     assert text(b) == text(a) and text(b)
     assert b[0]["choices"][0]["delta"]["role"] == "assistant"
-    finish = lambda evs: [c["finish_reason"] for x in evs for c in x["choices"] if c["finish_reason"]]
     assert finish(a) == finish(b)
     assert b[-1]["usage"]["prompt_tokens"] == a[-1]["usage"]["prompt_tokens"]
 

@@ -9,11 +9,10 @@ import time
 import aiohttp
 import pytest
 
-from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.common.schema import ConfigError
-from prefixgate.proxy.testing.otlp import OtlpReceiver
 from prefixgate.common.tracing import RateLimitedLog
-
+from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.proxy.testing.otlp import OtlpReceiver
 from tests.helpers import CHAT, ServerThread
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -58,7 +57,8 @@ async def test_server_and_client_spans_continue_the_callers_trace(make_gateway, 
     assert a["http.response.status_code"] == 200 and a["prefixgate.route"] == "round_robin"
     for key in ("ttft_ms", "gateway_ms", "queue_ms", "connect_ms", "upstream_ttft_ms"):
         assert a[f"prefixgate.{key}"] >= 0
-    assert server["start_ns"] <= client_span["start_ns"] <= client_span["end_ns"] <= server["end_ns"]
+    assert (server["start_ns"] <= client_span["start_ns"] <= client_span["end_ns"]
+            <= server["end_ns"])
     c = client_span["attributes"]
     assert client_span["name"] == "POST /v1/chat/completions"
     assert c["prefixgate.upstream"] == "a" and c["http.response.status_code"] == 200

@@ -63,7 +63,10 @@ def make_case(seq_lens, q_lens, num_heads=4, num_kv_heads=1, head_dim=16, block_
             flat[slot_t] = rows.to(dtype)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(dtype)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+
+    def to(t):
+        return None if t is None else t.to(device)
+
     return PagedCase(q=to(q), k_cache=to(k_cache), v_cache=to(v_cache),
                      block_tables=to(tables.to(torch.int32)),
                      seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),

@@ -13,7 +13,8 @@ from prefixgate.backend.loader import load_model
 from prefixgate.backend.sampling import SamplingParams
 from tests.helpers import make_tiny_model
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
+                                and not torch.cuda.is_available(),
                                 reason="Triton needs CUDA or TRITON_INTERPRET=1")
 SHARED = [(7 * i + 3) % 300 + 5 for i in range(37)]       # 37 tokens: 2 full blocks + 5 cached
 
@@ -28,8 +29,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def generate(model_dir, backend: str, kv_cache_dtype: str = "auto"):
     engine = LLMEngine(EngineArgs(model=str(model_dir), device=DEVICE,
-                                  attention_backend=backend, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=48,
-                                  max_num_batched_tokens=24, enforce_eager=True))
+                                  attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+                                  num_kv_blocks=48, max_num_batched_tokens=24,
+                                  enforce_eager=True))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     out: dict[str, list[int]] = {}
 
@@ -44,7 +46,8 @@ def generate(model_dir, backend: str, kv_cache_dtype: str = "auto"):
     run({"first": SHARED + [11, 12, 13]})
     # Second wave: two prompts reuse the cached blocks of the first (prefill over a cached prefix,
     # in chunks of 24 tokens), one shares nothing; their decodes run batched.
-    run({"hit-a": SHARED + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30], "hit-b": SHARED[:35] + [40, 41],
+    run({"hit-a": SHARED + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
+         "hit-b": SHARED[:35] + [40, 41],
          "cold": [(5 * i + 1) % 290 + 3 for i in range(29)]})
     assert engine.stats()["prefix_hits"] > 0
     return out
@@ -57,12 +60,14 @@ def test_engine_triton_kernels_match_reference(model_dir, kv_cache_dtype):
     assert all(len(toks) == 6 for toks in ref.values())
     assert got == ref
     import sys
-    assert {"prefixgate.kernels.decode_attention_triton", "prefixgate.kernels.prefill_attention_triton",
+    assert {"prefixgate.kernels.decode_attention_triton",
+            "prefixgate.kernels.prefill_attention_triton",
             "prefixgate.kernels.write_kv_triton"} <= set(sys.modules)
 
 
 def step(model, kv_caches, backend, chunks, block_size=16):
-    """One forward over chunks [(token_ids, block_table, start)] through the model's paged attention."""
+    """One forward over chunks [(token_ids, block_table, start)] through the model's paged
+    attention."""
     ids, pos, slots, lens, starts, tables = [], [], [], [], [0], []
     for tokens, table, start in chunks:
         end = start + len(tokens)
@@ -72,13 +77,18 @@ def step(model, kv_caches, backend, chunks, block_size=16):
         lens.append(end)
         starts.append(starts[-1] + len(tokens))
         tables.append(table + [0] * (4 - len(table)))
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=DEVICE)  # noqa: E731
-    meta = AttentionMetadata(slot_mapping=t(slots, torch.int64), block_tables=t(tables, torch.int32),
-                             seq_lens=t(lens, torch.int32), query_start_loc=t(starts, torch.int32),
+
+    def tensor(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=DEVICE)
+
+    meta = AttentionMetadata(slot_mapping=tensor(slots, torch.int64),
+                             block_tables=tensor(tables, torch.int32),
+                             seq_lens=tensor(lens, torch.int32),
+                             query_start_loc=tensor(starts, torch.int32),
                              max_seq_len=max(lens), is_decode=all(len(c[0]) == 1 for c in chunks),
                              attention_backend=backend)
     with torch.inference_mode():
-        return model(t(ids, torch.int64), t(pos, torch.int64), meta, kv_caches)
+        return model(tensor(ids, torch.int64), tensor(pos, torch.int64), meta, kv_caches)
 
 
 def test_model_hidden_states_match_reference_through_chunks_and_decode(model_dir):
@@ -93,9 +103,10 @@ def test_model_hidden_states_match_reference_through_chunks_and_decode(model_dir
         caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))
                   for _ in range(cfg.num_hidden_layers)]
         hidden[backend] = [
-            step(model, caches, backend, [(a[:20], ta, 0), (b[:13], tb, 0)]),      # prefix 0
-            step(model, caches, backend, [(a[20:], ta, 20), (b[13:], tb, 13)]),    # unaligned prefixes
-            step(model, caches, backend, [([17], ta, len(a)), ([18], tb, len(b))]),  # decode
+            # prefix 0, then unaligned prefixes, then two decode steps
+            step(model, caches, backend, [(a[:20], ta, 0), (b[:13], tb, 0)]),
+            step(model, caches, backend, [(a[20:], ta, 20), (b[13:], tb, 13)]),
+            step(model, caches, backend, [([17], ta, len(a)), ([18], tb, len(b))]),
             step(model, caches, backend, [([19], ta, len(a) + 1), ([20], tb, len(b) + 1)]),
         ]
     for got, want in zip(hidden["triton"], hidden["torch"]):
@@ -120,10 +131,14 @@ def test_cuda_graph_decode_matches_eager(model_dir):
         ids = torch.tensor([c[0][0] for c in chunks], device="cuda")
         pos = torch.tensor([c[2] for c in chunks], device="cuda")
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor([t[s // 16] * 16 + s % 16 for (_, t, s) in chunks], device="cuda"),
-            block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device="cuda"),
-            seq_lens=torch.tensor([s + 1 for (_, _, s) in chunks], dtype=torch.int32, device="cuda"),
-            query_start_loc=torch.arange(4, dtype=torch.int32, device="cuda"), max_seq_len=0, is_decode=True)
+            slot_mapping=torch.tensor([t[s // 16] * 16 + s % 16 for (_, t, s) in chunks],
+                                      device="cuda"),
+            block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables],
+                                      dtype=torch.int32, device="cuda"),
+            seq_lens=torch.tensor([s + 1 for (_, _, s) in chunks], dtype=torch.int32,
+                                  device="cuda"),
+            query_start_loc=torch.arange(4, dtype=torch.int32, device="cuda"), max_seq_len=0,
+            is_decode=True)
         assert graphs.can_run(meta)
         torch.testing.assert_close(graphs.run(ids, pos, meta), eager, atol=1e-4, rtol=1e-4)
 
@@ -135,7 +150,8 @@ def test_cuda_graphs_refuse_what_cannot_be_captured(model_dir):
     model, cfg = load_model(model_dir)
     caches = [(torch.zeros(4, 16, cfg.num_key_value_heads, cfg.head_dim),) * 2]
     with pytest.raises(ValueError, match="Triton"):
-        DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=4, max_blocks_per_seq=4, attention_backend="torch")
+        DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=4, max_blocks_per_seq=4,
+                          attention_backend="torch")
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphRunner(model, caches, block_size=16, max_num_seqs=4, max_blocks_per_seq=4)
     assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]

@@ -12,9 +12,11 @@ from prefixgate.kernels import paged_decode_attention, paged_prefill_attention, 
 from tests.kernels.helpers import make_case, naive_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET,
+                                                        reason="needs TRITON_INTERPRET=1")),
            pytest.param("cuda", marks=[pytest.mark.gpu,
-                                       pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
+                                       pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="no CUDA")])]
 TOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 
 
@@ -36,13 +38,15 @@ def heads(gqa):
 
 
 def run_decode(case, backend):
-    return paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                  case.scale, case.k_scale, case.v_scale, backend=backend)
+    return paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                  case.seq_lens, case.scale, case.k_scale, case.v_scale,
+                                  backend=backend)
 
 
 def run_prefill(case, backend):
-    return paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                   case.query_start_loc, case.scale, case.k_scale, case.v_scale, backend=backend)
+    return paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                   case.seq_lens, case.query_start_loc, case.scale, case.k_scale,
+                                   case.v_scale, backend=backend)
 
 
 # ---------------------------------------------------------------- references vs naive SDPA
@@ -84,7 +88,8 @@ def test_write_kv_reference_round_trips(fp8):
     k_cache, v_cache = torch.zeros_like(case.k_cache), torch.zeros_like(case.v_cache)
     slots = case.slot_mapping.clone()
     slots[3] = -1  # padding row: must not be written
-    write_kv(case.k_rows, case.v_rows, k_cache, v_cache, slots, case.k_scale, case.v_scale, backend="torch")
+    write_kv(case.k_rows, case.v_rows, k_cache, v_cache, slots, case.k_scale, case.v_scale,
+             backend="torch")
     hkv, d = k_cache.shape[2:]
     keep = slots >= 0
     for cache, full in ((k_cache, case.k_cache), (v_cache, case.v_cache)):
@@ -98,7 +103,8 @@ def test_backend_choice_and_lazy_triton_import():
     import sys
     code = ("import sys, torch, prefixgate.kernels as k\n"
             "from prefixgate.kernels.shared import pick_backend\n"
-            "assert pick_backend(None, torch.zeros(1)) == 'torch' and pick_backend('auto', torch.zeros(1)) == 'torch'\n"
+            "assert pick_backend(None, torch.zeros(1)) == 'torch' "
+            "and pick_backend('auto', torch.zeros(1)) == 'torch'\n"
             "assert 'triton' not in sys.modules, 'importing prefixgate.kernels pulled in triton'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -112,7 +118,8 @@ def test_backend_choice_and_lazy_triton_import():
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_triton(device, dtype, gqa, block_size):
-    case = make_case(DECODE_LENS, [1] * 4, block_size=block_size, dtype=dtype, device=device, **heads(gqa))
+    case = make_case(DECODE_LENS, [1] * 4, block_size=block_size, dtype=dtype, device=device,
+                     **heads(gqa))
     out = run_decode(case, "triton")
     assert out.dtype == dtype
     assert_close(out, run_decode(case, "torch"), dtype)
@@ -123,10 +130,11 @@ def test_decode_triton(device, dtype, gqa, block_size):
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
 def test_decode_triton_split_k_long_and_empty_contexts(device, num_splits):
     from prefixgate.kernels.decode_attention_triton import decode_attention_triton
-    # 300 tokens over 5 splits leaves later splits of the short sequences empty; seq_len 0 must give zeros.
+    # 300 tokens over 5 splits leaves later splits of the short sequences empty; seq_len 0 must
+    # give zeros.
     case = make_case([300, 33, 0, 1], [1] * 4, device=device, **heads(4))
-    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                  case.scale, num_splits=num_splits)
+    out = decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                  case.seq_lens, case.scale, num_splits=num_splits)
     ref = run_decode(case, "torch")
     assert ref[2].abs().max() == 0
     assert_close(out, ref, torch.float32)
@@ -137,7 +145,8 @@ def test_decode_triton_split_k_long_and_empty_contexts(device, num_splits):
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_triton(device, dtype, gqa, block_size):
-    case = make_case(PREFILL_LENS, PREFILL_Q, block_size=block_size, dtype=dtype, device=device, **heads(gqa))
+    case = make_case(PREFILL_LENS, PREFILL_Q, block_size=block_size, dtype=dtype, device=device,
+                     **heads(gqa))
     out = run_prefill(case, "triton")
     assert out.dtype == dtype
     assert_close(out, run_prefill(case, "torch"), dtype)
@@ -176,7 +185,8 @@ def test_fp8_kv_triton(device, dtype, per_head):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_write_kv_triton_matches_reference_bit_for_bit(device, dtype, fp8):
     case = make_case([19, 40], [1, 1], fp8=fp8, per_head_scale=fp8, device=device, **heads(1))
-    k = case.k_rows.to(dtype) * (40 if fp8 else 1)   # push some values past e4m3's 448 to test saturation
+    # push some values past e4m3's 448 to test saturation
+    k = case.k_rows.to(dtype) * (40 if fp8 else 1)
     v = case.v_rows.to(dtype)
     slots = case.slot_mapping.clone()
     slots[5] = -1
@@ -196,12 +206,14 @@ def test_fp8_rounding_matches_torch_on_every_code_point(device):
     # Every e4m3 value, every midpoint (ties to even), subnormals, -0 and out-of-range values.
     points = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     points = points[torch.isfinite(points)].sort().values
-    x = torch.cat([points, (points[:-1] + points[1:]) / 2, torch.tensor([500.0, -1000.0, -0.0, 1e-5])])
+    midpoints = (points[:-1] + points[1:]) / 2
+    x = torch.cat([points, midpoints, torch.tensor([500.0, -1000.0, -0.0, 1e-5])])
     x = torch.cat([x, torch.zeros(-x.numel() % 8)]).view(-1, 1, 8).to(device)
     caches = {}
     for backend in ("torch", "triton"):
         kc = torch.zeros(x.shape[0], 1, 1, 8, dtype=torch.float8_e4m3fn, device=device)
-        write_kv(x, x, kc, torch.zeros_like(kc), torch.arange(x.shape[0], device=device), 1.0, 1.0, backend=backend)
+        slots = torch.arange(x.shape[0], device=device)
+        write_kv(x, x, kc, torch.zeros_like(kc), slots, 1.0, 1.0, backend=backend)
         caches[backend] = kc.view(torch.uint8)
     assert torch.equal(caches["triton"], caches["torch"])
 
@@ -214,15 +226,17 @@ def test_gpu_benchmark_script_runs_its_cpu_smoke(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "-m", "prefixgate.kernels.bench", "--cpu-smoke", "--json", str(out)],
-                   check=True, timeout=120, capture_output=True)
+    subprocess.run([sys.executable, "-m", "prefixgate.kernels.bench", "--cpu-smoke",
+                    "--json", str(out)], check=True, timeout=120, capture_output=True)
     res = json.loads(out.read_text())
     assert {r["kv_dtype"] for r in res["decode"]} == {"auto", "fp8"}
     assert all(r["gb_per_s"] > 0 and "speedup_vs_reference" in r for r in res["decode"])
     assert res["prefill"][0]["tflop_per_s"] > 0 and "speedup_vs_sdpa" in res["prefill"][0]
     e2e = res["e2e"]
-    assert e2e["kernels_cuda_graphs"]["output_tokens"] == e2e["reference_eager"]["output_tokens"] > 0
+    assert (e2e["kernels_cuda_graphs"]["output_tokens"]
+            == e2e["reference_eager"]["output_tokens"] > 0)
     assert e2e["throughput_ratio"] > 0
     spec = res["spec"]
-    assert {(c["workload"], c["batch"]) for c in spec["cells"]} == {(w, b) for w in ("quoting", "free") for b in (1, 16)}
+    assert ({(c["workload"], c["batch"]) for c in spec["cells"]}
+            == {(w, b) for w in ("quoting", "free") for b in (1, 16)})
     assert all(c["ratio"] > 0 and c["spec"]["decode_tok_per_s"] > 0 for c in spec["cells"])

@@ -45,7 +45,8 @@ async def test_global_cap_queues_the_rest(make_standin, make_gateway):
 
 async def test_per_upstream_cap(make_standin, make_gateway):
     a, b = await make_standin(first_delay=0.3), await make_standin(first_delay=0.3)
-    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": a.url},
+                                           {"name": "b", "url": b.url}],
                              "plugins": ["least_inflight", {"admission": {"per_upstream": 1}}]})
     async with aiohttp.ClientSession() as client:
         t0 = time.monotonic()

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.common.schema import ConfigError
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
-from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.testing.kv_events_standin import EngineCache, KVEventsStandIn
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.helpers import Answers
@@ -244,7 +244,8 @@ async def test_a_dead_publisher_falls_back_to_the_approximate_index(fleet, publi
         await pa.stop()
         await until(client, gw, lambda m: not up(m, "a") and up(m, "b"))
         assert await route(client, gw, follow_up(tenant("B"))) == ("a", "cache")  # approximate
-        assert (await route(client, gw, follow_up(tenant("E"))))[1] == "new"   # only a's events knew
+        # only a's events knew E
+        assert (await route(client, gw, follow_up(tenant("E"))))[1] == "new"
         assert await route(client, gw, follow_up(tenant("A"))) == ("b", "cache")  # b: still exact
 
 
@@ -258,7 +259,8 @@ async def test_a_silent_publisher_is_probed_down_and_back(fleet, publishers):
         pa.answer_replays = True
         m = await until(client, gw, lambda m: up(m, "a"))
     assert sample(m, "prefixgate_route_kv_events_replays_total", upstream="b", reason="probe") >= 1
-    assert sample(m, "prefixgate_route_kv_events_resyncs_total", upstream="a", reason="restart") == 0
+    assert sample(m, "prefixgate_route_kv_events_resyncs_total", upstream="a",
+                  reason="restart") == 0
 
 
 async def test_a_reload_follows_moved_and_removed_publishers(fleet, publishers, tokens):

@@ -15,8 +15,8 @@ import pytest
 
 from prefixgate.backend.cli import parse_args
 from prefixgate.backend.server import start_server
-from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.tokenizer import Tokenizer
 from tests.helpers import ServerThread, Serving, free_port
 from tests.plugins.helpers import follow_up, tenant
 
@@ -43,7 +43,8 @@ class Engine(ServerThread):
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            self.server = await start_server(parse_args(self.argv), host="127.0.0.1", port=self.port)
+            self.server = await start_server(parse_args(self.argv), host="127.0.0.1",
+                                             port=self.port)
         except BaseException as e:
             self._error = e
             self._ready.set()
@@ -59,7 +60,7 @@ class Engine(ServerThread):
         return {"endpoint": f"tcp://127.0.0.1:{self.pub}",
                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv-events"}
 
-    def restarted(self) -> "Engine":
+    def restarted(self) -> Engine:
         """Stop this engine; a new one on the same HTTP and KV event ports."""
         self.__exit__(None, None, None)
         return Engine(self.model_dir, self.port, self.pub, self.replay).__enter__()
@@ -200,14 +201,16 @@ async def test_serve_subscribes_to_its_bundled_engines_events(model_dir, tmp_pat
                        "kv_events_config": {"enable_kv_cache_events": True, "topic": "kv-events",
                                             "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}},
            "model": {"tokenizer": str(model_dir)},
-           "plugins": [{"prerender": {"block_tokens": BLOCK}}, {"prefix_route": ROUTE}, {"metrics": {}}]}
+           "plugins": [{"prerender": {"block_tokens": BLOCK}}, {"prefix_route": ROUTE},
+                       {"metrics": {}}]}
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump(cfg))
     async with Serving("--config", str(path), timeout=60) as gw, aiohttp.ClientSession() as client:
         deadline = time.monotonic() + 20
         while True:
             async with client.get(gw.url + "/metrics") as r:
-                up = re.findall(r'prefixgate_route_kv_events_up\{upstream="(engine\d)"\} 1\.0', await r.text())
+                up = re.findall(r'prefixgate_route_kv_events_up\{upstream="(engine\d)"\} 1\.0',
+                                await r.text())
             if sorted(up) == ["engine0", "engine1"]:
                 break
             assert time.monotonic() < deadline, "the bundled engines' feeds did not come up"
@@ -218,7 +221,9 @@ async def test_serve_subscribes_to_its_bundled_engines_events(model_dir, tmp_pat
             first = r.headers["x-prefixgate-upstream"]
         while True:                 # the engine's events reach the gateway's exact index
             async with client.get(gw.url + "/metrics") as r:
-                held = re.search(rf'prefixgate_route_kv_index_blocks\{{upstream="{first}"\}} (\S+)', await r.text())
+                held = re.search(
+                    rf'prefixgate_route_kv_index_blocks\{{upstream="{first}"\}} (\S+)',
+                    await r.text())
             if held and float(held.group(1)) > 0:
                 break
             assert time.monotonic() < deadline, "no events from the engine that served A"
@@ -226,4 +231,5 @@ async def test_serve_subscribes_to_its_bundled_engines_events(model_dir, tmp_pat
         async with client.post(gw.url + "/v1/chat/completions", json={
                 "messages": follow_up(tenant("A")), "max_tokens": 1, "temperature": 0}) as r:
             assert r.status == 200
-            assert (r.headers["x-prefixgate-upstream"], "outcome=cache" in r.headers["x-prefixgate-route"]) == (first, True)
+            assert (r.headers["x-prefixgate-upstream"],
+                    "outcome=cache" in r.headers["x-prefixgate-route"]) == (first, True)

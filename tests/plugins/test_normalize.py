@@ -7,11 +7,11 @@ import json
 import pytest
 import yaml
 
+from prefixgate.common.schema import ConfigError
 from prefixgate.plugins.normalize.learner import Learner
 from prefixgate.plugins.normalize.plugin import CLOSE, OPEN
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
-from prefixgate.common.schema import ConfigError
 from tests.helpers import DATA
 from tests.plugins.helpers import normalizer
 
@@ -116,7 +116,8 @@ def test_clause_is_cut_with_its_label_and_the_label_goes_to_the_tail():
     body = chat("当前时间是 2026-03-15 14:22:31，请根据以下规则回答…")
     normalizer().normalize(body)
     assert body["messages"][0]["content"] == "请根据以下规则回答…"
-    assert body["messages"][1]["content"].endswith(f"{OPEN}\n当前时间：2026-03-15 14:22:31\n{CLOSE}")
+    moved = f"{OPEN}\n当前时间：2026-03-15 14:22:31\n{CLOSE}"
+    assert body["messages"][1]["content"].endswith(moved)
 
 
 def test_value_inside_a_sentence_becomes_a_numbered_placeholder():

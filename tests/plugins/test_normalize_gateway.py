@@ -73,7 +73,8 @@ async def test_learned_after_a_few_varying_requests(make_standin, make_gateway):
         metrics = await (await client.get(gw.url + "/metrics")).text()
     assert moved == ["0", "0", "1", "1"]
     systems = [r["json"]["messages"][0]["content"] for r in up.requests]
-    assert systems[2] == systems[3] == "You are the assistant of shop 88 for order ⟨1⟩ (policy v1.2). Be polite."
+    assert systems[2] == systems[3] == ("You are the assistant of shop 88 for order ⟨1⟩ "
+                                        "(policy v1.2). Be polite.")
     assert 'prefixgate_normalize_moved_values_total{type="learned"} 2.0' in metrics
     assert 'prefixgate_normalize_requests_total{result="unchanged"} 2.0' in metrics
 
@@ -104,4 +105,5 @@ async def test_canonical_tools_serialise_equal_tool_sets_equally(make_standin, m
         await _post(client, gw, chat("Be brief.", tools=[b_again, a]))
     sent = [json.dumps(r["json"]["tools"]) for r in up.requests]
     assert sent[0] == sent[1]
-    assert [t["function"]["name"] for t in up.requests[0]["json"]["tools"]] == ["a_time", "b_search"]
+    tools = up.requests[0]["json"]["tools"]
+    assert [t["function"]["name"] for t in tools] == ["a_time", "b_search"]

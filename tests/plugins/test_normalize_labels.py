@@ -1,15 +1,15 @@
 """Label spellings and separators, mentions, and the learner's span handling.
 
 Spellings are built here as a cross product — every casing and join people use, every
-separator, English and Chinese suffixes — from the label words issue #19 names, not from the
-detector's own tables; a spelling the detector lacks fails here with its text.
+separator, English and Chinese suffixes — from the label words in ENTITIES_EN and ENTITIES_ZH,
+not from the detector's own tables; a spelling the detector lacks fails here with its text.
 """
 from __future__ import annotations
 
 import pytest
 
-from prefixgate.plugins.normalize.plugin import OPEN, SPEC, Normalizer
 from prefixgate.common.schema import check
+from prefixgate.plugins.normalize.plugin import OPEN, SPEC, Normalizer
 
 ENTITIES_EN = ["request", "session", "conversation", "trace", "span", "correlation", "user",
                "tenant", "device", "order", "build"]
@@ -56,7 +56,8 @@ def _misses(labels, layouts, value) -> list[str]:
 
 @pytest.mark.parametrize("entity", ENTITIES_EN)
 def test_english_id_labels_in_every_spelling_and_separator(entity):
-    labels = styles([entity, "id"]) + [f"{entity.capitalize()} Id", f"{entity.capitalize()} Identifier"]
+    labels = styles([entity, "id"]) + [f"{entity.capitalize()} Id",
+                                       f"{entity.capitalize()} Identifier"]
     assert _misses(labels, LAYOUTS_EN, ID_VALUE) == []
 
 
@@ -73,10 +74,12 @@ def test_nonces_and_qualified_labels():
 
 
 @pytest.mark.parametrize("value", ["2026-03-15 14:22:31", "2026-03-15T14:22:31Z",
-                                   "March 15, 2026 2:22 PM", "2026年3月15日 14:22", "3月15日 14:22"])
+                                   "March 15, 2026 2:22 PM", "2026年3月15日 14:22",
+                                   "3月15日 14:22"])
 def test_time_labels_in_every_spelling(value):
     labels = (styles(["as", "of"]) + styles(["generated", "at"]) + styles(["current", "time"])
-              + ["Data as of", "Last updated", "当前时间", "更新于", "数据更新于", "截至", "生成于"])
+              + ["Data as of", "Last updated", "当前时间", "更新于", "数据更新于", "截至",
+                 "生成于"])
     layouts = ["{L}: {v}", "{L}：{v}", "{L}={v}", "{L} {v}", "[{L}] {v}", '"{L}": "{v}"',
                "| {L} | {v} |", "**{L}:** {v}"]
     assert _misses(labels, layouts, value) == []

@@ -10,22 +10,22 @@ import random
 import pytest
 import yaml
 
+from prefixgate.common.schema import check
 from prefixgate.plugins.normalize import detectors
 from prefixgate.plugins.normalize.learner import template_key
 from prefixgate.plugins.normalize.plugin import SPEC, Normalizer
 from prefixgate.plugins.normalize.suffix_reuse import reuse
-from prefixgate.common.schema import check
 from tests.helpers import DATA
 
 CORPUS = yaml.safe_load((DATA / "prompts.yaml").read_text("utf-8"))
 GENERATED = yaml.safe_load((DATA / "normalize_corpus.yaml").read_text("utf-8"))
 TEXTS = [e["text"] for e in CORPUS["dynamic"] + CORPUS["static"]] + \
     [e["text"] for e in GENERATED["dynamic"][:60] + GENERATED["static"][:60]]
-INSERTS = ["Current time: 2026-03-15 14:22:31\n", "Request ID: req_77aa01\n", "今天是2026年3月16日，",
-           "```\ncode 12:00\n", "`inline 7`", "\n", " v1.2.3 ", "now 9:05", "x", "",
-           "Session 550e8400-e29b-41d4-a716-446655440000 ", "<tools>{\"a\": 1}</tools>",
-           "~~~\n", "当前时间：", "99", ": ", "requestId=", "| 订单号 | ", "【会话ID】", "## Examples\n",
-           "Example:\n", "\"", "e.g. "]
+INSERTS = ["Current time: 2026-03-15 14:22:31\n", "Request ID: req_77aa01\n",
+           "今天是2026年3月16日，", "```\ncode 12:00\n", "`inline 7`", "\n", " v1.2.3 ", "now 9:05",
+           "x", "", "Session 550e8400-e29b-41d4-a716-446655440000 ", "<tools>{\"a\": 1}</tools>",
+           "~~~\n", "当前时间：", "99", ": ", "requestId=", "| 订单号 | ", "【会话ID】",
+           "## Examples\n", "Example:\n", "\"", "e.g. "]
 
 
 def _long_text(rng: random.Random) -> str:
@@ -76,9 +76,11 @@ def test_reused_analysis_equals_a_full_one(seed):
 
 
 def test_normalising_long_prompts_with_reuse_equals_without():
-    body = lambda t: {"messages": [{"role": "system", "content": f"Current time: 2026-03-15 "
-                                    f"14:{t:02d}:00\n" + "Rule 7: be brief, v1.2.3.\n" * 400},
-                                   {"role": "user", "content": "q"}]}
+    def body(t):
+        system = f"Current time: 2026-03-15 14:{t:02d}:00\n" + "Rule 7: be brief, v1.2.3.\n" * 400
+        return {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "q"}]}
+
     n = Normalizer(check({}, SPEC))
     for t in range(5):
         a, b = body(t), body(t)

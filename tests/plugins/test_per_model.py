@@ -9,9 +9,11 @@ import aiohttp
 import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
-from prefixgate.common.tokenizer import Tokenizer
-from prefixgate.plugins.normalize.plugin import MAX_MODELS, SPEC as NORMALIZE_SPEC, Normalizer
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.schema import ConfigError, check
+from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.plugins.normalize.plugin import MAX_MODELS, Normalizer
+from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC
 from prefixgate.plugins.prefix_route.keys import ring_position
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
@@ -19,7 +21,6 @@ from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.cli import prompt_findings
 from prefixgate.proxy.doctor.prompt import divergence
-from prefixgate.common.schema import ConfigError, check
 from tests.plugins.helpers import PLAIN_TEMPLATE
 
 TEXTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",

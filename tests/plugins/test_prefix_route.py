@@ -10,11 +10,11 @@ from collections import Counter, defaultdict
 import aiohttp
 import pytest
 
-
-from prefixgate.proxy.config.gateway import validate
-from prefixgate.proxy.app import Gateway
 from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config.gateway import validate
 from tests.helpers import FAMILIES, assert_openai_error, body, post
+
 
 async def fleet(make_standin, make_gateway, n, plugin, names=None, **behaviour):
     standins = [await make_standin(**behaviour) for _ in range(n)]
@@ -23,6 +23,11 @@ async def fleet(make_standin, make_gateway, n, plugin, names=None, **behaviour):
                                            for nm, s in zip(names, standins)],
                              "plugins": [plugin]})
     return standins, gw
+
+
+def route_key(route: str) -> str:
+    """The prefix key a route header names."""
+    return re.search(r"key=([0-9a-f]+)", route).group(1)
 
 
 @pytest.mark.parametrize("policy", ["chwbl", "cache_aware"])
@@ -59,7 +64,8 @@ async def test_cache_aware_follows_a_growing_conversation(make_standin, make_gat
             ups = []
             for turn in range(4):
                 msgs.append({"role": "user", "content": f"session {s} turn {turn}: " + "x" * 200})
-                _, up, route = await post(client, gw.url, {"model": "standin-model", "messages": msgs})
+                _, up, route = await post(client, gw.url,
+                                          {"model": "standin-model", "messages": msgs})
                 ups.append(up)
                 msgs.append({"role": "assistant", "content": "reply " * 30})
                 if turn:
@@ -153,21 +159,19 @@ async def test_a_timestamp_does_not_change_the_key_without_normalize(make_standi
     cut = await make_gateway({"upstreams": ups, "plugins": ["prefix_route"]})
     raw = await make_gateway({"upstreams": ups,
                               "plugins": [{"prefix_route": {"dynamic_cut": "never"}}]})
-    key = lambda route: re.search(r"key=([0-9a-f]+)", route).group(1)
     async with aiohttp.ClientSession() as client:
         keys_cut, keys_raw = set(), set()
         for second in range(10, 16):
             system = (f"Current time: 2026-03-15 14:22:{second}. You are a support bot for ACME "
                       "with a long preamble. " * 5)
-            keys_cut.add(key((await post(client, cut.url, body(system, "hi")))[2]))
-            keys_raw.add(key((await post(client, raw.url, body(system, "hi")))[2]))
+            keys_cut.add(route_key((await post(client, cut.url, body(system, "hi")))[2]))
+            keys_raw.add(route_key((await post(client, raw.url, body(system, "hi")))[2]))
     assert len(keys_cut) == 1
     assert len(keys_raw) == 6
 
 
 async def test_token_ids_key_like_the_engine(make_standin, make_gateway):
-    from prefixgate.common.block_hash import hash_block
-    from prefixgate.common.block_hash import block_hash_chain
+    from prefixgate.common.block_hash import block_hash_chain, hash_block
     tokens = list(range(1000, 1000 + 70))
     chain, parent = [], 0
     for i in range(4):
@@ -193,8 +197,9 @@ async def test_load_polled_from_backend_metrics_moves_a_key(make_standin, make_g
     async with aiohttp.ClientSession() as client:
         _, home, _ = await post(client, gw.url, body(FAMILIES[5], "q"))
         # another gateway replica (here: direct requests) fills the home with slow requests
+        slow = body("other", "x", x_standin={"first_delay": 1.5})
         busy = [asyncio.create_task(client.post(names[home].url + "/v1/chat/completions",
-                                                json=body("other", "x", x_standin={"first_delay": 1.5})))
+                                                json=slow))
                 for _ in range(6)]
         await asyncio.sleep(0.4)
         async with client.get(gw.url + "/metrics") as r:
@@ -215,7 +220,10 @@ async def test_route_metrics_are_exported(make_standin, make_gateway):
             await post(client, gw.url, body(FAMILIES[1], f"q{i}"))
         async with client.get(gw.url + "/metrics") as r:
             text = await r.text()
-    value = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+    def value(name):
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
     assert value('prefixgate_route_decisions_total{outcome="new",policy="cache_aware"}') == 1
     assert value('prefixgate_route_decisions_total{outcome="cache",policy="cache_aware"}') == 2
     assert value('prefixgate_route_prefix_blocks_total{kind="matched"}') > 0
@@ -303,15 +311,14 @@ async def test_with_normalize_first_the_key_is_not_cut(make_standin, make_gatewa
     gw = await make_gateway({"upstreams": [{"name": f"u{i}", "url": s.url}
                                            for i, s in enumerate(standins)],
                              "plugins": ["normalize", "prefix_route"]})
-    key = lambda route: re.search(r"key=([0-9a-f]+)", route).group(1)
     async with aiohttp.ClientSession() as client:
         keys = set()
         for second in range(10, 14):
             system = (f"Current time: 2026-03-15 14:22:{second}. You are a support bot for ACME "
                       "with a long preamble. " * 5)
             _, _, route = await post(client, gw.url, body(system, "hi"))
-            keys.add(key(route))
-            assert "blocks=0" not in route          # the moved value no longer cuts the chain
+            keys.add(route_key(route))
+            assert "blocks=0" not in route          # the moved value does not cut the chain
     assert len(keys) == 1
 
 
@@ -324,7 +331,8 @@ async def test_odd_bodies_route_without_errors(make_standin, make_gateway, polic
             {"type": "image_url", "image_url": {"url": "http://img/1.png"}}]}]},
         {"model": "standin-model", "messages": [{"role": "assistant", "content": None,
                                      "tool_calls": [{"id": "c1", "type": "function",
-                                                     "function": {"name": "f", "arguments": "{}"}}]},
+                                                     "function": {"name": "f",
+                                                                  "arguments": "{}"}}]},
                                     {"role": "user", "content": "hi"}],
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         {"model": "standin-model", "messages": [{"role": "user", "content": "short"}]},

@@ -1,14 +1,12 @@
 """The shipped routing examples (conf/route-*.yaml, conf/kubernetes/) are valid configs."""
 from __future__ import annotations
 
-
 import pytest
 import yaml
 
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import load, validate
 from tests.helpers import CONF
-
 
 
 def buildable(cfg: dict) -> dict:

@@ -7,12 +7,12 @@ import aiohttp
 import pytest
 
 from prefixgate.backend.demo import write_tokenizer_files
-from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.schema import ConfigError
+from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
-from prefixgate.common.schema import ConfigError
 from tests.helpers import QWEN_STYLE_TEMPLATE, tiny_tokenizer
 from tests.plugins.helpers import PLAIN_TEMPLATE
 

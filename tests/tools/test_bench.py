@@ -10,14 +10,15 @@ import time
 import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
+from prefixgate.common.schema import check
 from prefixgate.common.tokenizer import Tokenizer
-from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC, Normalizer
+from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC
+from prefixgate.plugins.normalize.plugin import Normalizer
 from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import seed as bench_seed
 from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.stats import percentile
-from prefixgate.common.schema import check
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.tools.helpers import run_cli
 
@@ -216,8 +217,8 @@ class StandInEngines:
     async def start(self):
         cache = "--no-prefix-caching" not in self.cfg["args"]
         for _ in range(self.cfg["instances"]):
-            s = await StandIn(Behaviour(model="demo", tokens=2, prefix_cache=cache, prefill_per_token=0.0004,
-                                        record=False)).start()
+            s = await StandIn(Behaviour(model="demo", tokens=2, prefix_cache=cache,
+                                        prefill_per_token=0.0004, record=False)).start()
             self.standins.append(s)
             self.urls.append(s.url)
 
@@ -238,7 +239,8 @@ async def test_seed_stages_run_behind_the_gateway(capsys, tmp_path):
     base, cached, routed = archive["cells"]
     assert [c["label"] for c in archive["cells"]] == ["baseline", "+prefix cache",
                                                      "+affinity routing"]
-    assert "--no-prefix-caching" in base["engine_args"] and "--no-chunked-prefill" in base["engine_args"]
+    assert ("--no-prefix-caching" in base["engine_args"]
+            and "--no-chunked-prefill" in base["engine_args"])
     assert base["gateway"]["plugins"] == [{"round_robin": {}}, {"metrics": {}}]
     assert {"normalize": {}} in cached["gateway"]["plugins"]
     assert routed["gateway"]["plugins"][1] == {"prefix_route": {

@@ -9,10 +9,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.bench.client import Sample
 from prefixgate.proxy.bench.stats import server_timing_p50, summarize
 from prefixgate.proxy.doctor.checks import SEGMENTS, breakdown_segments, ttft_breakdown
-from prefixgate.common.runtime import start_app
 from tests.helpers import ServerThread
 from tests.tools.helpers import by_title, doctor, run_cli
 

@@ -8,10 +8,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from prefixgate.common.runtime import start_app
 from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.doctor.checks import engine_state
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
-from prefixgate.common.runtime import start_app
 from tests.helpers import ServerThread
 from tests.tools.helpers import by_title, doctor
 

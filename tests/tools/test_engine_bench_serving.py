@@ -20,10 +20,12 @@ def test_bench_script_runs_and_saves_json(tmp_path, capsys):
 
 def test_bench_part_d_starts_fresh_engines_with_and_without_warmup(tmp_path, capsys, model):
     out = tmp_path / "bench.json"
-    assert bench.main(["--model", str(model), "--parts", "d", "--repeats", "1", "--out", str(out)]) == 0
+    argv = ["--model", str(model), "--parts", "d", "--repeats", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
     data = json.loads(out.read_text())["warmup"]
     assert set(data["medians"]) == {"mmap_warm", "mmap_skip", "eager_warm", "eager_skip"}
     for m in data["medians"].values():
-        assert 0 < m["listening_s"] <= m["ready_s"] and m["first_ttft_s"] > 0 and m["second_ttft_s"] > 0
+        assert (0 < m["listening_s"] <= m["ready_s"] and m["first_ttft_s"] > 0
+                and m["second_ttft_s"] > 0)
     assert set(data["first_ttft_skip_over_warm"]) == {"mmap", "eager"}
     assert "d) fresh engine processes" in capsys.readouterr().out

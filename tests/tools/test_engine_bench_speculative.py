@@ -21,7 +21,8 @@ def _keep_engines(monkeypatch) -> list:
 def test_bench_spec_decode_quick_run_saves_cells(tmp_path, capsys, monkeypatch, model):
     built = _keep_engines(monkeypatch)
     out = tmp_path / "spec.json"
-    assert bench_spec_decode.main(["--quick", "--model", str(model), "--device", "cpu", "--out", str(out)]) == 0
+    argv = ["--quick", "--model", str(model), "--device", "cpu", "--out", str(out)]
+    assert bench_spec_decode.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["config"]["speculative_config"] == bench_spec_decode.DEFAULT_SPEC
     cells = {(c["workload"], c["batch"]): c for c in data["cells"]}
