@@ -53,11 +53,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_pt
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
-    k_scale = 1.0
-    v_scale = 1.0
-    if IS_FP8:
-        k_scale = tl.load(ks_ptr + kv_head)
-        v_scale = tl.load(vs_ptr + kv_head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -67,7 +62,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_pt
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < end
         m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, tmask[None, :], k_ptr, v_ptr, bt_row, t,
-                                    tmask, kv_head, d, dmask, k_scale, v_scale, qk_scale,
+                                    tmask, kv_head, d, dmask, ks_ptr, vs_ptr, qk_scale,
                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                     stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE, PRECISION)
 

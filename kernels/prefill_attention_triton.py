@@ -67,11 +67,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_
     q_rows = (q_start + m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
-    k_scale = 1.0
-    v_scale = 1.0
-    if IS_FP8:
-        k_scale = tl.load(ks_ptr + kv_head)
-        v_scale = tl.load(vs_ptr + kv_head)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -84,7 +79,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_
         tmask = t < kv_end
         causal = tmask[None, :] & (t[None, :] <= pos[:, None])   # padded rows see no key at all
         m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, causal, k_ptr, v_ptr, bt_row, t,
-                                    tmask, kv_head, d, dmask, k_scale, v_scale, qk_scale,
+                                    tmask, kv_head, d, dmask, ks_ptr, vs_ptr, qk_scale,
                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                     stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE, PRECISION)
 

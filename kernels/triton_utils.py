@@ -39,27 +39,28 @@ def pow2(n: int, at_least: int = 1) -> int:
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale,
+def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale_ptr,
                  stride_b, stride_t, stride_h,
                  BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Rows t (token positions of one sequence) of the paged cache for one KV head:
     [len(t), BLOCK_D].
 
     Each token finds its page through the block table, so a tile may span several pages and the
-    page size need not match the tile size. FP8 rows are dequantized with the head's scale.
+    page size need not match the tile size. FP8 rows are dequantized with the head's scale
+    (`scale_ptr`: float32 per KV head).
     """
     page = tl.load(bt_row_ptr + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     rows = page * stride_b + (t % BLOCK_SIZE).to(tl.int64) * stride_t + kv_head * stride_h
     x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :],
                 other=0.0)
     if IS_FP8:
-        x = x.to(tl.float32) * scale
+        x = x.to(tl.float32) * tl.load(scale_ptr + kv_head)
     return x.to(DOT_DTYPE)
 
 
 @triton.jit
 def attend_tile(q, m_i, l_i, acc, visible, k_ptr, v_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask,
-                k_scale, v_scale, qk_scale,
+                ks_ptr, vs_ptr, qk_scale,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 PRECISION: tl.constexpr):
@@ -67,7 +68,7 @@ def attend_tile(q, m_i, l_i, acc, visible, k_ptr, v_ptr, bt_row_ptr, t, tmask, k
     over the keys and values at positions t, of which each row sees those `visible` marks:
     the running row maxima, sums and output accumulator, updated.
     """
-    k = load_kv_tile(k_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, k_scale,
+    k = load_kv_tile(k_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, ks_ptr,
                      stride_kb, stride_kt, stride_kh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
@@ -76,7 +77,7 @@ def attend_tile(q, m_i, l_i, acc, visible, k_ptr, v_ptr, bt_row_ptr, t, tmask, k
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_kv_tile(v_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, v_scale,
+    v = load_kv_tile(v_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, vs_ptr,
                      stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IS_FP8, DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
     return m_new, l_i, acc
