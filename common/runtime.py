@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 
@@ -122,6 +123,13 @@ async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30, pr
                 pass
             await asyncio.sleep(interval)
     raise RuntimeError(f"{what} not ready after {timeout}s")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that is free now (for a child process to listen on)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def url_of(host: str, port: int) -> str:

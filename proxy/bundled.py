@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 
 from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
-from prefixgate.common.runtime import wait_ready
+from prefixgate.common.runtime import free_port, wait_ready
 from prefixgate.proxy.upstream.upstreams import check_upstreams
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BundledEngines:

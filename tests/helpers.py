@@ -9,7 +9,6 @@ import gc
 import json
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -162,12 +161,6 @@ async def post(client, url, payload, headers=None):
 
 
 # --- servers --------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Serving:
     """`prefixgate serve ARGS` in a child process; its URL (and the whole line, which names the

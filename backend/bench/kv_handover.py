@@ -19,9 +19,9 @@ import sys
 
 import aiohttp
 
-from prefixgate.backend.bench.serving import ENGINE_COMMAND, free_port, run_report_save
+from prefixgate.backend.bench.serving import ENGINE_COMMAND, run_report_save
 from prefixgate.common import server_timing
-from prefixgate.common.runtime import wait_ready
+from prefixgate.common.runtime import free_port, wait_ready
 
 LEG1 = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,16 +29,10 @@ import aiohttp
 
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
+from prefixgate.common.runtime import free_port
 
 TARGETS = {"prefix_50": 1.8, "prefix_80": 3.5, "chunked_p95": 3.0, "throughput": 4.0}
 ENGINE_COMMAND = (sys.executable, "-m", "prefixgate.backend")    # `prefixgate backend`
-
-
-def free_port() -> int:
-    """A loopback port free now, for an engine process to listen on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prompts:

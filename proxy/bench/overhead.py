@@ -29,8 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prefixgate.common.runtime import install_uvloop, wait_ready
-from prefixgate.proxy.bundled import free_port
+from prefixgate.common.runtime import free_port, install_uvloop, wait_ready
 
 NGINX_CONF = """
 worker_processes auto;

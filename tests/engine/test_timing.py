@@ -7,7 +7,6 @@ import asyncio
 import json
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import uuid
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 
 from prefixgate.common import server_timing
+from prefixgate.common.runtime import free_port
 from prefixgate.proxy.testing.otlp import OtlpReceiver
 from tests.engine.helpers import metrics
 from tests.helpers import ServerThread
@@ -24,12 +24,6 @@ ENTRIES = ["tokenize", "queue", "prefill", "decode"]
 HISTOGRAMS = {"queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
               "ttft": "time_to_first_token_seconds"}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

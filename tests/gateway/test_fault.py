@@ -9,8 +9,8 @@ import sys
 import aiohttp
 import pytest
 
-from prefixgate.common.runtime import wait_ready
-from tests.helpers import CHAT, assert_openai_error, event_json, free_port, read_events
+from prefixgate.common.runtime import free_port, wait_ready
+from tests.helpers import CHAT, assert_openai_error, event_json, read_events
 
 
 class BadServer:

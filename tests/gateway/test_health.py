@@ -6,7 +6,8 @@ import time
 
 import aiohttp
 
-from tests.helpers import CHAT, free_port
+from prefixgate.common.runtime import free_port
+from tests.helpers import CHAT
 
 FAST = {"interval_s": 0.1, "timeout_s": 0.5, "unhealthy_threshold": 2, "healthy_threshold": 2,
         "eject_s": 0}

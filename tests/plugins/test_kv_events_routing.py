@@ -16,8 +16,9 @@ import pytest
 from prefixgate.backend.cli import parse_args
 from prefixgate.backend.server import start_server
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.runtime import free_port
 from prefixgate.common.tokenizer import Tokenizer
-from tests.helpers import ServerThread, Serving, free_port
+from tests.helpers import ServerThread, Serving
 from tests.plugins.helpers import follow_up, tenant
 
 BLOCK = 16
