@@ -214,7 +214,7 @@ def build_demo_model(out: str | Path) -> None:
         json.dumps({"eos_token_id": eos_id}, indent=2) + "\n")
     write_tokenizer_files(out, tok, model_max_length=spec["max_position_embeddings"])
     _write_random_weights(out / "model.safetensors", config, spec)
-    from prefixgate.backend.loader import write_manifest
+    from prefixgate.backend.checkpoint_files import write_manifest
 
     write_manifest(out)  # so every load of the demo also exercises the integrity check
 

@@ -1,13 +1,13 @@
-"""Load a Hugging Face checkpoint directory with strict integrity checks.
+"""Load a model — a Hugging Face checkpoint directory or a GGUF file — with strict checks.
 
 Weights are treated as download-locked assets. Before a single tensor is read:
-  * the shard index (`model.safetensors.index.json`) is compared with the files on disk;
-  * an optional sha256 manifest is checked: `SHA256SUMS` (or `manifest.sha256`) in the format
-    `sha256sum` writes, one `<64 hex digits>  <path relative to the model dir>` per line; every
-    weight file must be listed in it;
+  * the shard index is compared with the files on disk, and an optional sha256 manifest is
+    checked (`backend/checkpoint_files.py`);
   * every tensor name and shape is compared with the model built from config.json.
 Any problem raises `WeightError` naming the shard or tensor; no parameter is ever left at random
 init (the model is built on the meta device, so an unassigned one could not even run).
+A GGUF file (`backend/gguf_weights.py`) gets the same checks against its own metadata, and each
+tensor is dequantized into the serving dtype; a damaged file names its tensor or offset.
 
 Load formats (`--load-format`, as vLLM's flag; our values):
   * mmap (default): each shard is memory-mapped and tensors are views of the mapping
@@ -23,9 +23,6 @@ Load formats (`--load-format`, as vLLM's flag; our values):
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,75 +30,24 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
+from prefixgate.backend import gguf_weights
+from prefixgate.backend.checkpoint_files import (
+    INDEX_NAME,
+    WeightError,
+    check_manifest,
+    find_manifest,
+    weight_files,
+)
 from prefixgate.backend.config import LOAD_FORMATS
 from prefixgate.backend.models import LlamaConfig, build_model
+from prefixgate.common.gguf_file import GGUFError, open_gguf
 from prefixgate.common.schema import ConfigError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-MANIFEST_NAMES = ("SHA256SUMS", "manifest.sha256")
-_MANIFEST_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
 # Tensors some exporters add that carry no weights we need.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class WeightError(Exception):
-    """The checkpoint on disk does not match what config.json and the manifest promise."""
-
-
 # --- checks (each returns a list of readable problems) ---------------------------------------
-
-
-def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None, list[str]]:
-    """(shard paths present, index weight_map or None, problems)."""
-    index_path = model_dir / INDEX_NAME
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            return [], None, [f"{INDEX_NAME} is unreadable: {e!r}"]
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        problems = [f"missing shard {n} (listed in {INDEX_NAME})" for n in missing]
-        return [model_dir / n for n in names if n not in missing], weight_map, problems
-    if (model_dir / SINGLE_NAME).is_file():
-        return [model_dir / SINGLE_NAME], None, []
-    return [], None, [f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}"]
-
-
-def find_manifest(model_dir: Path) -> Path | None:
-    return next((model_dir / n for n in MANIFEST_NAMES if (model_dir / n).is_file()), None)
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def check_manifest(model_dir: Path, manifest: Path, files: list[Path]) -> list[str]:
-    """Every listed file exists and hashes to its digest; every weight file is listed."""
-    problems, listed = [], {}
-    for n, line in enumerate(manifest.read_text().splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        m = _MANIFEST_LINE.match(line)
-        rel = Path(m.group(2)) if m else None
-        if rel is None or rel.is_absolute() or ".." in rel.parts:
-            problems.append(f"{manifest.name} line {n} is not '<sha256>  <relative path>': "
-                            f"{line!r}")
-            continue
-        listed[rel.as_posix()] = m.group(1).lower()
-    for rel, want in listed.items():
-        path = model_dir / rel
-        if not path.is_file():
-            problems.append(f"{rel} is listed in {manifest.name} but missing")
-        elif (got := sha256_file(path)) != want:
-            problems.append(f"sha256 mismatch for {rel}: {manifest.name} says {want}, "
-                            f"file has {got}")
-    for f in files:
-        if f.relative_to(model_dir).as_posix() not in listed:
-            problems.append(f"{f.name} is not listed in {manifest.name}")
-    return problems
 
 
 def scan_tensors(files: list[Path], weight_map: dict[str, str] | None) -> tuple[dict, list[str]]:
@@ -166,10 +112,12 @@ class VerifyReport:
         return not self.problems
 
     def render(self) -> str:
-        lines = [f"model dir: {self.model_dir}"]
+        gguf = gguf_weights.is_gguf(self.model_dir)
+        lines = [f"model {'file' if gguf else 'dir'}: {self.model_dir}"]
         lines += [f"  weight file: {f.name} ({f.stat().st_size:,} bytes)" for f in self.files]
-        manifest = self.manifest.name if self.manifest else "none (not checked)"
-        lines.append(f"  sha256 manifest: {manifest}")
+        if not gguf:     # one GGUF file has no manifest beside it: its sha256 is its own
+            manifest = self.manifest.name if self.manifest else "none (not checked)"
+            lines.append(f"  sha256 manifest: {manifest}")
         lines.append(f"  tensors: {self.num_tensors}")
         lines += [f"  PROBLEM: {p}" for p in self.problems]
         lines.append("OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))")
@@ -179,6 +127,8 @@ class VerifyReport:
 def verify_weights(model_dir: str | Path) -> VerifyReport:
     """Run every check and collect all problems (never raises for a bad checkpoint)."""
     model_dir = Path(model_dir)
+    if gguf_weights.is_gguf(model_dir):
+        return verify_gguf(model_dir)
     report = VerifyReport(model_dir)
     try:
         config = LlamaConfig.from_dir(model_dir)
@@ -230,6 +180,8 @@ def load_model(model_dir: str | Path, dtype=None, device: str | torch.device = "
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     model_dir = Path(model_dir)
+    if gguf_weights.is_gguf(model_dir):
+        return load_gguf(model_dir, dtype, device)
     config = LlamaConfig.from_dir(model_dir)
     files, weight_map, problems = weight_files(model_dir)
     _raise_if(problems)
@@ -272,12 +224,59 @@ def _read_eagerly(path: Path, device: torch.device):
         yield name, tensors.pop(name).to(device)    # a CPU copy goes as soon as it is on the GPU
 
 
-def write_manifest(model_dir: str | Path) -> Path:
-    """Record the sha256 of every weight file in `SHA256SUMS` (the format `sha256sum -c` reads)."""
-    model_dir = Path(model_dir)
-    files, _, problems = weight_files(model_dir)
-    _raise_if(problems)
-    lines = [f"{sha256_file(f)}  {f.relative_to(model_dir).as_posix()}\n" for f in files]
-    path = model_dir / MANIFEST_NAMES[0]
-    path.write_text("".join(lines))
-    return path
+# --- GGUF (one file: metadata, tokenizer, quantized tensors) ---------------------------------
+
+
+def verify_gguf(path: Path) -> VerifyReport:
+    """The file opens, its metadata describes a model we serve, every tensor is there with the
+    shape the metadata implies, of a type we read, and dequantizes to finite numbers."""
+    report = VerifyReport(path, files=[path] if path.is_file() else [])
+    try:
+        reader = open_gguf(path)
+        report.num_tensors = len(reader.tensors)
+        config = gguf_weights.config_from_gguf(reader)
+    except (GGUFError, ConfigError) as e:
+        report.problems.append(str(e))
+        return report
+    report.problems += gguf_weights.tensor_problems(reader, expected_shapes(config))
+    if not report.problems:
+        report.problems += [p for _, _, p in _read_gguf(reader, config) if p]
+    return report
+
+
+def load_gguf(path: Path, dtype, device):
+    """(model, config) from a GGUF file: every weight dequantized into `dtype` on `device`."""
+    try:
+        reader = open_gguf(path)
+        config = gguf_weights.config_from_gguf(reader)
+    except GGUFError as e:
+        raise WeightError(str(e)) from None
+    except ConfigError as e:
+        raise ConfigError(f"{path.name}: {e.path}", e.reason) from None
+    torch_dtype = resolve_dtype(dtype, config, device)
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    _raise_if(gguf_weights.tensor_problems(reader, expected))
+    state, rope_freqs = {}, None
+    for name, tensor, problem in _read_gguf(reader, config):
+        _raise_if([problem] if problem else [])
+        if name == gguf_weights.ROPE_FREQS:
+            rope_freqs = tensor
+        else:
+            state[name] = tensor.to(device=device, dtype=torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    if rope_freqs is not None:   # llama.cpp divides each rotation speed by its factor
+        rotary = model.model.rotary_emb
+        rotary.inv_freq = rotary.inv_freq / rope_freqs.to(rotary.inv_freq.device)
+    return model.eval().requires_grad_(False), config
+
+
+def _read_gguf(reader, config):
+    """(name, fp32 tensor, problem or None) per tensor: data that dequantizes to NaN or
+    infinity (a damaged file) is named."""
+    for gguf_name, name, tensor in gguf_weights.read_tensors(reader, config):
+        finite = bool(torch.isfinite(tensor).all())
+        yield name, tensor, None if finite else (
+            f"tensor {gguf_name} holds NaN or infinite values (a damaged file?)")

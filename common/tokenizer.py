@@ -30,7 +30,7 @@ class ChatTemplateError(ValueError):
 
 
 class TokenizerLoadError(ValueError):
-    """The model directory lacks a usable tokenizer."""
+    """The model directory or GGUF file lacks a usable tokenizer."""
 
 
 # --- chat template environment ---------------------------------------------------------------
@@ -183,6 +183,38 @@ class Tokenizer:
         eos = {self._id_of("eos_token"), *eos_ids_extra}
         self.eos_token_ids: set[int] = {i for i in eos if i is not None}
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Whether encode(add_special_tokens=True) puts a BOS first, so encode can avoid a
+        # second one when the text (a rendered chat template, say) already starts with it.
+        self._adds_bos = (self.bos_token_id is not None and tokenizer.encode(
+            "", add_special_tokens=True).ids[:1] == [self.bos_token_id])
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """A model directory (tokenizer.json) or a .gguf file (its tokenizer metadata)."""
+        path = Path(path)
+        if path.is_dir():
+            return cls.from_dir(path)
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        raise TokenizerLoadError(f"{path} is neither a model directory with tokenizer.json nor "
+                                 f"a .gguf file")
+
+    @classmethod
+    def from_gguf(cls, source) -> Tokenizer:
+        """From a GGUF file's metadata; `source` is its path or an open `gguf.GGUFReader` (the
+        engine opens the file once for weights and tokenizer alike)."""
+        from gguf import GGUFReader
+
+        from prefixgate.common.gguf_file import GGUFError, open_gguf
+        from prefixgate.common.gguf_tokenizer import read_tokenizer
+
+        try:
+            reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+            found = read_tokenizer(reader)
+        except GGUFError as e:
+            raise TokenizerLoadError(str(e)) from None
+        return cls(found.tokenizer, found.special_tokens, found.chat_template,
+                   found.extra_eos_ids)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -216,7 +248,10 @@ class Tokenizer:
     # text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._adds_bos and ids[1:2] == [self.bos_token_id]:
+            return ids[1:]
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

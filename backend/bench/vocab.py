@@ -1,0 +1,10 @@
+"""The vocabulary size of a `--model` (a built-in name, a .gguf file or a directory), which the
+benchmarks draw random prompt tokens from."""
+from __future__ import annotations
+
+from prefixgate.backend.config import resolve_model
+from prefixgate.common.tokenizer import Tokenizer
+
+
+def vocab_size(model: str) -> int:
+    return Tokenizer.load(resolve_model(model)).vocab_size
