@@ -12,8 +12,11 @@ import logging
 import os
 import sys
 
+from prefixgate.backend.checkpoint_files import MANIFEST_NAMES, WeightError, write_manifest
 from prefixgate.backend.config import (
+    BUILTIN_MODELS,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_MODEL,
     LOAD_FORMATS,
     ROLES,
     EngineArgs,
@@ -22,8 +25,9 @@ from prefixgate.backend.config import (
     SpeculativeConfig,
     parse_kv_events_config,
     parse_speculative_config,
+    resolve_model,
 )
-from prefixgate.backend.loader import MANIFEST_NAMES, WeightError, verify_weights, write_manifest
+from prefixgate.backend.loader import verify_weights
 from prefixgate.backend.server import serve_forever
 from prefixgate.backend.warmup import WarmupError
 from prefixgate.common import tracing
@@ -46,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_flags(p: argparse.ArgumentParser, defaults: EngineArgs) -> None:
-    p.add_argument("--model", default="demo", help="Hugging Face model dir, or 'demo' (default)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a Hugging Face model dir, a .gguf file, or a built-in name: "
+                   f"{DEFAULT_MODEL} (the default), demo (tiny, random weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names the model answers to; the first is the one responses carry "
-                   "(default: the dir name, or 'demo')")
+                   "(default: a built-in model's name, the dir's name, or the .gguf file's stem)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on "
                    "CPU, bf16/fp16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -225,14 +231,24 @@ def verify_weights_main(argv: list[str] | None = None) -> int:
     """`prefixgate verify-weights DIR`: print the report; exit 1 on any problem."""
     parser = argparse.ArgumentParser(
         prog="prefixgate verify-weights",
-        description="Check a checkpoint dir: shard index vs files, sha256 manifest, tensor "
-                    "names and shapes.")
-    parser.add_argument("model_dir", help="Hugging Face model directory (config.json + "
-                        "safetensors)")
+        description="Check a checkpoint: a Hugging Face dir (shard index vs files, sha256 "
+                    "manifest, tensor names and shapes) or a .gguf file (metadata, tensor "
+                    "names, shapes and types, every tensor's data read).")
+    parser.add_argument("model_dir", metavar="MODEL", help="Hugging Face model directory "
+                        "(config.json + safetensors), a .gguf file, or a built-in name")
     parser.add_argument("--write-manifest", action="store_true",
                         help="after the checks pass, record the weight files' hashes in "
                         f"{MANIFEST_NAMES[0]}")
     args = parser.parse_args(argv)
+    if args.model_dir in BUILTIN_MODELS:
+        try:
+            args.model_dir = resolve_model(args.model_dir)
+        except ConfigError as e:
+            print(f"prefixgate verify-weights: {e.reason}", file=sys.stderr)
+            return 1
+    if args.write_manifest and os.path.isfile(args.model_dir):
+        parser.error("--write-manifest records a directory's weight files; a .gguf file is one "
+                     "file: `sha256sum FILE.gguf` is its manifest")
     report = verify_weights(args.model_dir)
     print(report.render())
     if report.ok and args.write_manifest:

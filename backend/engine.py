@@ -19,13 +19,12 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.backend.config import EngineArgs, check_kv_offloading
+from prefixgate.backend.config import EngineArgs, check_kv_offloading, resolve_model, served_name
 from prefixgate.backend.kv_events import KVEventPublisher, KVEventSink
 from prefixgate.backend.model_runner import (
     KV_CACHE_DTYPES,
@@ -85,16 +84,15 @@ class LLMEngine:
         self.args = args
         check_kv_offloading(args.kv_offloading_size, args.kv_offloading_path,
                             args.enable_prefix_caching)
-        self.model_dir = _resolve_model_dir(args.model)
+        self.model_dir = resolve_model(args.model)     # a directory, or a .gguf file
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype,
                                                    device=self.device,
                                                    load_format=args.load_format)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.load(self.model_dir)
         self._decoder_cls = IncrementalDecoder
-        self.served_model_name = args.served_model_name or (
-            "demo" if args.model == "demo" else self.model_dir.name)
+        self.served_model_name = args.served_model_name or served_name(args.model)
         kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks(kv_dtype)
         self.max_model_len = min(self.model_config.max_position_embeddings,
@@ -340,17 +338,6 @@ class LLMEngine:
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
                              seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                              seq.last_token_time)
-
-
-def _resolve_model_dir(model: str) -> Path:
-    if model == "demo":
-        from prefixgate.backend.demo import ensure_demo_model
-        return Path(ensure_demo_model())
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); "
-                                f"use --model DIR or --model demo")
-    return path
 
 
 def _config_eos(config) -> set[int]:

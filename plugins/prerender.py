@@ -207,6 +207,7 @@ class Prerender(Plugin):
 
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
+        from prefixgate.backend.config import resolve_model
         from prefixgate.common.tokenizer import Tokenizer, TokenizerLoadError
         models = gw.config.get("models") or {}
         loaded: dict[str, object] = {}            # one Tokenizer per directory
@@ -220,14 +221,17 @@ class Prerender(Plugin):
             tok = loaded.get(path)
             if tok is None:
                 try:
-                    tok = loaded[path] = Tokenizer.from_dir(path)
+                    tok = loaded[path] = Tokenizer.load(resolve_model(path))
+                except ConfigError as e:
+                    raise ConfigError("", f"models.{name}.tokenizer: {e.reason}") from None
                 except TokenizerLoadError as e:
                     raise ConfigError("", f"models.{name}.tokenizer: {e}") from None
             self.caches[name] = PromptCache(tok, self.cfg["block_tokens"],
                                             self.cfg["cache_entries"])
         if not loaded:
             raise ConfigError("", "needs `model.tokenizer` or `models.<name>.tokenizer` (a "
-                                  "directory with tokenizer.json)")
+                                  "directory with tokenizer.json, a .gguf file, or a built-in "
+                                  "model's name)")
         self._any = self.caches.get(ANY_MODEL)
         self._nameless = (next(iter(self.caches.values())) if len(self.caches) == 1
                           else self._any)

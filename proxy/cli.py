@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
+from prefixgate.backend.config import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.common.schema import ConfigError
 from prefixgate.proxy import pd
@@ -47,11 +48,13 @@ Run the gateway. Four ways to say what it serves (at most one of the first three
   prefixgate serve --config gateway.yaml        a YAML config file
   prefixgate serve --upstream URL [--upstream URL ...]
                                                 OpenAI-compatible servers you already run
-  prefixgate serve MODEL_DIR                    the bundled engine on that checkpoint
-  prefixgate serve                              the bundled engine on the built-in demo model
-                                                (also `prefixgate serve demo`)
+  prefixgate serve MODEL                        the bundled engine on that model: a Hugging
+                                                Face directory, a .gguf file, or a built-in
+                                                name (smollm2; demo: tiny, random weights)
+  prefixgate serve                              the bundled engine on SmolLM2-135M-Instruct
+                                                (also `prefixgate serve smollm2`)
 
---upstream and MODEL_DIR build the config in memory; --print-config shows it as YAML, ready
+--upstream and MODEL build the config in memory; --print-config shows it as YAML, ready
 to save and run with --config."""
 
 SERVE_EPILOG = """\
@@ -59,6 +62,7 @@ examples:
   prefixgate serve --upstream http://10.0.0.1:8000 --upstream http://10.0.0.2:8000
   prefixgate serve --upstream http://10.0.0.1:8000 --policy chwbl --normalize
   prefixgate serve /models/Qwen2.5-0.5B-Instruct --port 8000
+  prefixgate serve ~/models/qwen2.5-0.5b-instruct-q8_0.gguf
   prefixgate serve --upstream http://10.0.0.1:8000 --print-config > gateway.yaml"""
 
 # --policy: the routing plugin it puts in the chain
@@ -76,29 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
                                      "token: a streaming gateway and a bundled engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the gateway (--config FILE, --upstream URL, "
-                                         "MODEL_DIR, or nothing: the standalone demo)",
+                                         "MODEL, or nothing: SmolLM2 standalone)",
                            description=SERVE_HELP, epilog=SERVE_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
-                       help="serve this checkpoint with the bundled engine, the gateway in "
-                            "front (conf/standalone.yaml with the model replaced); `demo`: "
-                            "the built-in demo model")
+    serve.add_argument("model_dir", nargs="?", metavar="MODEL",
+                       help="serve this model with the bundled engine, the gateway in front "
+                            "(conf/standalone.yaml with the model replaced): a Hugging Face "
+                            "directory, a .gguf file, smollm2 (the default) or demo (tiny, "
+                            "random weights)")
     serve.add_argument("--config", metavar="FILE",
-                       help="YAML config file (without it, --upstream or MODEL_DIR: "
-                            "conf/standalone.yaml, the bundled engine on the demo model)")
+                       help="YAML config file (without it, --upstream or MODEL: "
+                            "conf/standalone.yaml, the bundled engine on smollm2)")
     serve.add_argument("--upstream", metavar="URL", action="append",
                        help="an OpenAI-compatible server to route to; repeat the flag for each "
                             "one (names default to host:port)")
     serve.add_argument("--policy", choices=list(POLICIES),
-                       help="routing with --upstream or MODEL_DIR: round_robin, "
+                       help="routing with --upstream or MODEL: round_robin, "
                             "least_inflight, chwbl (prefix_route: consistent hashing with "
                             "bounded loads) or cache_aware (prefix_route: the prefix index, "
                             f"like SGLang's router). Default with --upstream: {DEFAULT_POLICY}, "
-                            "as SGLang Model Gateway's; with MODEL_DIR: none added")
+                            "as SGLang Model Gateway's; with MODEL: none added")
     serve.add_argument("--normalize", action="store_true",
-                       help="with --upstream or MODEL_DIR: put the normalize plugin first "
+                       help="with --upstream or MODEL: put the normalize plugin first "
                             "(moves timestamps and request ids out of the prompt's head; "
-                            "MODEL_DIR's config has it already)")
+                            "MODEL's config has it already)")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     serve.add_argument("--access-log", metavar="PATH",
@@ -137,9 +142,9 @@ def check_serve_args(args) -> None:
     Errors go through argparse (usage + one line, exit 2)."""
     error = args.parser.error
     given = [flag for flag, value in (("--config", args.config), ("--upstream", args.upstream),
-                                      ("MODEL_DIR", args.model_dir)) if value]
+                                      ("MODEL", args.model_dir)) if value]
     if args.model_dir and "://" in args.model_dir:
-        error(f"MODEL_DIR {args.model_dir} is a URL: give each upstream its own --upstream")
+        error(f"MODEL {args.model_dir} is a URL: give each upstream its own --upstream")
     if len(given) > 1:
         error(f"{' and '.join(given)} cannot be combined: give a config file, upstream URLs "
               "or a model directory")
@@ -149,7 +154,7 @@ def check_serve_args(args) -> None:
         error(f"{' and '.join(tuning)} cannot be combined with --config: put the plugins in "
               "the YAML file's `plugins:` list")
     if tuning and not given:
-        error(f"{' and '.join(tuning)} needs --upstream URL or MODEL_DIR (the demo: "
+        error(f"{' and '.join(tuning)} needs --upstream URL or MODEL (the demo: "
               "`prefixgate serve demo`)")
 
 
@@ -178,7 +183,7 @@ def read_raw(path: str) -> dict:
 
 
 def raw_config(args) -> dict:
-    """The config as a user would write it: from --config, --upstream, MODEL_DIR or the
+    """The config as a user would write it: from --config, --upstream, MODEL or the
     standalone default, with --host/--port applied."""
     if args.config:
         raw = read_raw(args.config)
@@ -191,7 +196,7 @@ def raw_config(args) -> dict:
         raw = standalone_raw()
         if args.model_dir:
             model = args.model_dir
-            if model != "demo":
+            if model not in BUILTIN_MODELS:
                 model = str(Path(model).resolve())
             raw["bundled"] = {**raw["bundled"], "model": model}
             raw["plugins"] = with_plugins(raw["plugins"], args.policy, args.normalize)
@@ -212,15 +217,19 @@ def load_config(args) -> dict:
     return config_mod.validate(raw_config(args))
 
 
-def missing_model_dir(args) -> str | None:
-    """Why MODEL_DIR cannot be served (None: it can)."""
-    model = args.model_dir
-    if not model or model == "demo" or Path(model).is_dir():
+def missing_model(args) -> str | None:
+    """Why MODEL (smollm2 when the standalone default serves) cannot be served (None: it can).
+    Checked before anything starts, so a missing file or package is one clear line."""
+    model = args.model_dir or (None if args.config or args.upstream else DEFAULT_MODEL)
+    if model is None or model == "demo":
         return None
-    if Path(model).exists():
-        hint = f"; did you mean --config {model}?" if model.endswith((".yaml", ".yml")) else ""
-        return f"MODEL_DIR {model} is not a directory{hint}"
-    return f"MODEL_DIR {model} does not exist (a checkpoint directory, or `demo`)"
+    if model.endswith((".yaml", ".yml")) and Path(model).is_file():
+        return f"MODEL {model} is a YAML file; did you mean --config {model}?"
+    try:
+        resolve_model(model)
+    except ConfigError as e:
+        return f"MODEL {e.reason}"
+    return None
 
 
 def print_config(args, raw: dict) -> None:
@@ -235,7 +244,7 @@ def serve_command(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(not_a_client_error)
     check_serve_args(args)
-    if (problem := missing_model_dir(args)) is not None:
+    if (problem := missing_model(args)) is not None:
         print(f"prefixgate: {problem}", file=sys.stderr)
         return 2
     try:

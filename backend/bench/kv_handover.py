@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -20,6 +19,7 @@ import sys
 import aiohttp
 
 from prefixgate.backend.bench.serving import ENGINE_COMMAND, run_report_save
+from prefixgate.backend.bench.vocab import vocab_size
 from prefixgate.common import server_timing
 from prefixgate.common.runtime import free_port, wait_ready
 
@@ -55,15 +55,9 @@ async def _received_bytes(s, url: str) -> float:
     return 0.0
 
 
-def _vocab_size(model: str) -> int:
-    from prefixgate.backend.engine import _resolve_model_dir
-
-    return json.loads((_resolve_model_dir(model) / "config.json").read_text())["vocab_size"]
-
-
 async def run(args) -> dict:
     rng = random.Random(args.seed)
-    vocab = _vocab_size(args.model)
+    vocab = vocab_size(args.model)
     prefill, p_url = await _engine("prefill", args)
     decode, d_url = await _engine("decode", args)
     samples = {"recompute_ms": [], "pull_ms": [], "leg2_ttft_ms": [], "leg1_prefill_ms": [],

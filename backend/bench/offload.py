@@ -25,6 +25,7 @@ import numpy
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.backend.bench.serving import run_report_save
+from prefixgate.backend.bench.vocab import vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
 
@@ -90,10 +91,7 @@ def counter_totals(exposition: str) -> dict[str, float]:
 
 
 async def run(args) -> dict:
-    from prefixgate.backend.engine import _resolve_model_dir
-    from prefixgate.common.tokenizer import Tokenizer
-
-    vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
+    vocab = vocab_size(args.model)
     rng = random.Random(args.seed)
     fresh = lambda n: [rng.randrange(16, vocab) for _ in range(n)]   # noqa: E731
     prefixes = [fresh(args.prefix_tokens) for _ in range(args.tenants)]

@@ -27,6 +27,7 @@ import time
 
 import aiohttp
 
+from prefixgate.backend.bench.vocab import vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
 from prefixgate.common.runtime import free_port
@@ -238,10 +239,7 @@ def _hf_one_by_one(model, batch: list[list[int]], new_tokens: int) -> float:
 
 
 async def run(args) -> dict:
-    from prefixgate.backend.engine import _resolve_model_dir
-    from prefixgate.common.tokenizer import Tokenizer
-
-    vocab = Tokenizer.from_dir(_resolve_model_dir(args.model)).vocab_size
+    vocab = vocab_size(args.model)
     prompts = Prompts(vocab, args.seed)
     result = {"config": vars(args), "targets": TARGETS}
     parts = set(args.parts.split(","))

@@ -125,11 +125,10 @@ class PromptSet:
 
 
 def load_tokenizer(path: str | None):
-    """`--tokenizer DIR` (or "demo"): a Tokenizer, or None for approximate lengths."""
+    """`--tokenizer DIR` (or a .gguf file, or a built-in model's name: smollm2, demo): a
+    Tokenizer, or None for approximate lengths."""
     if not path:
         return None
+    from prefixgate.backend.config import resolve_model
     from prefixgate.common.tokenizer import Tokenizer
-    if path == "demo":
-        from prefixgate.backend.demo import ensure_demo_model
-        path = str(ensure_demo_model())
-    return Tokenizer.from_dir(path)
+    return Tokenizer.load(resolve_model(path))

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from prefixgate.backend.config import (
+    DEFAULT_MODEL,
     LOAD_FORMATS,
     check_kv_offloading,
     engine_configs,
@@ -35,7 +36,7 @@ from prefixgate.proxy.upstream import discovery, health
 from prefixgate.proxy.upstream.upstreams import TIMEOUTS, check_upstreams
 
 MODEL = {
-    "tokenizer": Key(str, None),     # dir with tokenizer.json (+ chat template)
+    "tokenizer": Key(str, None),     # dir with tokenizer.json, a .gguf, or smollm2 / demo
 }
 MODEL_SINGLE = {
     "name": Key(str, None),          # the served model's name (none: every model)
@@ -52,7 +53,7 @@ TOP = {
     "upstreams": Key(list, list),
     "discovery": Key(dict, None),          # DNS discovery of more upstreams (proxy/discovery.py)
     "bundled": Key(dict, None, nested={
-        "model": Key(str, "demo"),             # a model dir, or "demo" for the built-in model
+        "model": Key(str, DEFAULT_MODEL),      # a model dir, a .gguf, or smollm2 / demo
         "instances": Key(int, 1, positive),    # engine processes (more than one needs a router)
         # P/D: this many `--role prefill` and `--role decode` engines instead of `instances`
         # mixed ones; the gateway then drives them as `pd: {protocol: prefixgate}`

@@ -1,4 +1,4 @@
-"""`prefixgate serve` without a YAML file: --upstream URL ..., MODEL_DIR, --print-config."""
+"""`prefixgate serve` without a YAML file: --upstream URL ..., MODEL, --print-config."""
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +43,7 @@ def test_print_config_for_upstreams(flags, plugins):
 
 
 def test_print_config_for_a_model_dir_keeps_the_standalone_settings(tmp_path):
+    (tmp_path / "config.json").write_text("{}")     # what makes a directory a model's
     assert printed(str(tmp_path), "--host", "0.0.0.0", "--port", "9000") == {
         **STANDALONE, "listen": {"host": "0.0.0.0", "port": 9000},
         "bundled": {**STANDALONE["bundled"], "model": str(tmp_path.resolve())}}
@@ -61,9 +62,12 @@ def test_access_log_and_tracing_flags_become_their_config_sections():
     assert bad.returncode != 0 and "tracing.otlp_endpoint: must be an http(s) URL" in bad.stderr
 
 
-def test_print_config_for_the_demo_and_for_nothing_is_the_standalone_config():
-    assert printed("demo") == STANDALONE
+def test_print_config_for_smollm2_and_for_nothing_is_the_standalone_config():
+    assert STANDALONE["bundled"]["model"] == "smollm2"
+    assert printed("smollm2") == STANDALONE
     assert printed() == STANDALONE
+    assert printed("demo") == {**STANDALONE, "bundled": {**STANDALONE["bundled"],
+                                                         "model": "demo"}}
     assert printed("--port", "0") == {**STANDALONE, "listen": {**STANDALONE["listen"],
                                                                 "port": 0}}
 
@@ -93,12 +97,12 @@ def test_a_bad_flag_value_names_the_key(args, message):
 
 @pytest.mark.parametrize("args,message", [
     (["--config", "gw.yaml", "--upstream", "http://a:1"], "--config and --upstream cannot"),
-    (["--config", "gw.yaml", "some/dir"], "--config and MODEL_DIR cannot"),
-    (["--upstream", "http://a:1", "demo"], "--upstream and MODEL_DIR cannot"),
+    (["--config", "gw.yaml", "some/dir"], "--config and MODEL cannot"),
+    (["--upstream", "http://a:1", "demo"], "--upstream and MODEL cannot"),
     (["--upstream", "http://a:1", "http://b:2"], "give each upstream its own --upstream"),
     (["--config", "gw.yaml", "--policy", "chwbl"], "put the plugins in the YAML file"),
     (["--config", "gw.yaml", "--normalize"], "put the plugins in the YAML file"),
-    (["--policy", "round_robin"], "--policy needs --upstream URL or MODEL_DIR"),
+    (["--policy", "round_robin"], "--policy needs --upstream URL or MODEL"),
     (["--upstream", "http://a:1", "--policy", "random"], "invalid choice: 'random'"),
 ])
 def test_conflicting_flags_are_refused(args, message):
@@ -114,6 +118,8 @@ def test_a_missing_model_dir_fails_at_start_up_naming_it(tmp_path):
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and str(missing) in lines[0] and "does not exist" in lines[0]
+    proc = run_cli(str(tmp_path))              # a directory, but no model in it
+    assert proc.returncode == 2 and "nor a model directory (no config.json)" in proc.stderr
     (tmp_path / "gw.yaml").write_text("upstreams: []\n")
     proc = run_cli(str(tmp_path / "gw.yaml"))
     assert proc.returncode == 2 and f"did you mean --config {tmp_path / 'gw.yaml'}" in proc.stderr

