@@ -55,6 +55,9 @@ def _model_flags(p: argparse.ArgumentParser, defaults: EngineArgs) -> None:
                    f"{DEFAULT_MODEL} (the default), demo (tiny, random weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="take the tokenizer and chat template from here instead: a directory "
+                   "with tokenizer.json, a .gguf file, or a built-in name (default: --model's)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names the model answers to; the first is the one responses carry "
                    "(default: a built-in model's name, the dir's name, or the .gguf file's stem)")
@@ -179,8 +182,8 @@ def tracing_config(ns: argparse.Namespace) -> dict | None:
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, dtype=ns.dtype, device=ns.device, load_format=ns.load_format,
-        block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks,
+        model=ns.model, tokenizer=ns.tokenizer, dtype=ns.dtype, device=ns.device,
+        load_format=ns.load_format, block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks,
         kv_cache_memory=ns.kv_cache_memory, kv_cache_dtype=ns.kv_cache_dtype,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,

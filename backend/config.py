@@ -54,6 +54,12 @@ def resolve_model(model: str) -> Path:
                                f"or one of: {', '.join(BUILTIN_MODELS)}")
 
 
+def resolve_tokenizer(tokenizer: str) -> Path:
+    """What `--tokenizer` names: a built-in model's file, else the path as given (a directory
+    with tokenizer.json needs no config.json; `Tokenizer.load` says what it lacks)."""
+    return resolve_model(tokenizer) if tokenizer in BUILTIN_MODELS else Path(tokenizer).expanduser()
+
+
 def smollm2_path() -> Path:
     package, name, install = SMOLLM2
     # find_spec locates the package without running its __init__ (which imports `llm`)
@@ -349,6 +355,7 @@ def check_kv_offloading(size_gib: float | None, path: str | None,
 @dataclass
 class EngineArgs:
     model: str = "demo"
+    tokenizer: str | None = None                 # None: the model's own (resolve_model's names)
     dtype: str | None = None
     device: str = "auto"
     load_format: str = "mmap"                    # one of LOAD_FORMATS (backend/loader.py)

@@ -24,7 +24,13 @@ import torch
 
 from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.backend.config import EngineArgs, check_kv_offloading, resolve_model, served_name
+from prefixgate.backend.config import (
+    EngineArgs,
+    check_kv_offloading,
+    resolve_model,
+    resolve_tokenizer,
+    served_name,
+)
 from prefixgate.backend.kv_events import KVEventPublisher, KVEventSink
 from prefixgate.backend.model_runner import (
     KV_CACHE_DTYPES,
@@ -90,7 +96,11 @@ class LLMEngine:
         self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype,
                                                    device=self.device,
                                                    load_format=args.load_format)
-        self.tokenizer = Tokenizer.load(self.model_dir)
+        self.tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer) if args.tokenizer
+                                        else self.model_dir)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ConfigError("--tokenizer", f"{self.tokenizer.vocab_size} tokens, more than "
+                              f"the model's {self.model_config.vocab_size} embeddings")
         self._decoder_cls = IncrementalDecoder
         self.served_model_name = args.served_model_name or served_name(args.model)
         kv_dtype = self._kv_dtype()

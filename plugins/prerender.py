@@ -207,7 +207,7 @@ class Prerender(Plugin):
 
     def __init__(self, cfg, gw):
         super().__init__(cfg, gw)
-        from prefixgate.backend.config import resolve_model
+        from prefixgate.backend.config import resolve_tokenizer
         from prefixgate.common.tokenizer import Tokenizer, TokenizerLoadError
         models = gw.config.get("models") or {}
         loaded: dict[str, object] = {}            # one Tokenizer per directory
@@ -221,7 +221,7 @@ class Prerender(Plugin):
             tok = loaded.get(path)
             if tok is None:
                 try:
-                    tok = loaded[path] = Tokenizer.load(resolve_model(path))
+                    tok = loaded[path] = Tokenizer.load(resolve_tokenizer(path))
                 except ConfigError as e:
                     raise ConfigError("", f"models.{name}.tokenizer: {e.reason}") from None
                 except TokenizerLoadError as e:

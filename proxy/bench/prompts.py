@@ -129,6 +129,6 @@ def load_tokenizer(path: str | None):
     Tokenizer, or None for approximate lengths."""
     if not path:
         return None
-    from prefixgate.backend.config import resolve_model
+    from prefixgate.backend.config import resolve_tokenizer
     from prefixgate.common.tokenizer import Tokenizer
-    return Tokenizer.load(resolve_model(path))
+    return Tokenizer.load(resolve_tokenizer(path))

@@ -1,13 +1,15 @@
 """Engine test helpers: transformers' own greedy generation as the reference, the engine's
 /metrics and token-id completions over HTTP, our model driven over a paged KV cache without an
-engine (`PagedCache`), random prompts, and `LLMEngine` runs with and without speculative
-decoding, compared token for token."""
+engine (`PagedCache`), random prompts, `LLMEngine` runs with and without speculative
+decoding, compared token for token, and for GGUF files transformers' model of the same file and
+our model's next-token choices along a given text."""
 from __future__ import annotations
 
 import json
 import random
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import torch
@@ -264,3 +266,29 @@ def assert_same(plain: dict[str, Result], spec: dict[str, Result]) -> None:
         assert b.tokens == a.tokens, f"{rid} diverged"
         assert (b.text, b.finish_reason, b.completion_tokens) == (a.text, a.finish_reason,
                                                                  a.completion_tokens), rid
+
+
+# --- a GGUF file's model in transformers; next-token choices along a fixed text ---------------
+
+def load_hf_gguf(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model from a GGUF file (dequantized by the same `gguf` package as ours),
+    EOS ignored as the engine's test requests ignore it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def teacher_forced_top1(model, config, prompt: list[int], tokens: list[int],
+                        kv_dtype: torch.dtype) -> list[int]:
+    """Our model's top-1 next token at each position of `tokens`, given `prompt` and the tokens
+    before it, from one prefill over a paged KV cache of `kv_dtype`. Scored against `tokens`, it
+    rates every next-token choice, where a free-running comparison stops at the first
+    difference (everything after it follows another text)."""
+    text = prompt + tokens[:-1]
+    cache = PagedCache(config, num_blocks=-(-len(text) // BLOCK), block_size=BLOCK,
+                       dtype=kv_dtype, device=next(model.parameters()).device)
+    logits = cache.step(model, {0: text})[0]
+    return logits[len(prompt) - 1:].argmax(-1).tolist()

@@ -39,6 +39,7 @@ from tests.engine.helpers import (
     greedy,
     hf_greedy,
     load_hf,
+    load_hf_gguf,
     make_engine,
     prompt_of,
 )
@@ -48,15 +49,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY_TOKENS = 40
 PROMPT_LENGTHS = (5, 23, 61)
-
-
-def _transformers_from_gguf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None     # the engine's requests ignore EOS too
-    return model
 
 
 @torch.no_grad()
@@ -78,7 +70,7 @@ def gguf_file(request, checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(gguf_file):
     """transformers' model, from the same GGUF file."""
-    return _transformers_from_gguf(gguf_file)
+    return load_hf_gguf(gguf_file)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +86,7 @@ def source(tiny_llama_dir, tmp_path_factory):
 def test_f32_file_gives_transformers_the_checkpoints_logits(checkpoint, tmp_path):
     path = write_gguf(checkpoint, tmp_path / "model.gguf", Q.F32)
     prompt = prompt_of(29, seed=3)
-    torch.testing.assert_close(_logits(_transformers_from_gguf(path), prompt),
+    torch.testing.assert_close(_logits(load_hf_gguf(path), prompt),
                                _logits(load_hf(checkpoint), prompt), atol=1e-5, rtol=1e-5)
 
 
@@ -136,7 +128,7 @@ async def test_backend_serves_the_file_over_http(source):
     from transformers import AutoTokenizer
 
     prompt = prompt_of(30, seed=5)
-    expected = hf_greedy(_transformers_from_gguf(source.gguf), prompt, GREEDY_TOKENS)
+    expected = hf_greedy(load_hf_gguf(source.gguf), prompt, GREEDY_TOKENS)
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
     chat_ids = AutoTokenizer.from_pretrained(source.dir).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)

