@@ -19,7 +19,7 @@ import sys
 import aiohttp
 
 from prefixgate.backend.bench.serving import ENGINE_COMMAND, run_report_save
-from prefixgate.backend.bench.vocab import vocab_size
+from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.common import server_timing
 from prefixgate.common.runtime import free_port, wait_ready
 
@@ -111,7 +111,7 @@ def report(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.kv_handover",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="demo", help=MODEL_HELP)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-dtype", default="auto")

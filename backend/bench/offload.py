@@ -24,8 +24,8 @@ import aiohttp
 import numpy
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.backend.bench.serving import run_report_save
-from prefixgate.backend.bench.vocab import vocab_size
+from prefixgate.backend.bench.serving import THREADS_HELP, run_report_save
+from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
 
@@ -164,7 +164,7 @@ def report(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.offload",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="demo", help=MODEL_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tenants", type=int, default=16)
     p.add_argument("--device-tenants", type=int, default=6, help="prefixes the device cache holds")
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-offloading-path", default=None,
                    help="the tier's directory (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--quick", action="store_true",
                    help="4 tenants (device: 2), 1 round: a smoke run")
     p.add_argument("--out", default=None, help="save results as JSON here")

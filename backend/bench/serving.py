@@ -1,17 +1,26 @@
-"""Engine benchmarks on CPU with the demo model: `python -m prefixgate.backend.bench.serving`.
+"""Engine benchmarks on CPU: `python -m prefixgate.backend.bench.serving`.
 
-Each figure is a ratio against a baseline measured in the same run, through the real HTTP
-server (streamed completions with token-id prompts, so tokenization is not measured):
+On the demo model unless `--model` names another (`smollm2`, a .gguf file, a Hugging Face
+directory). Each figure is a ratio against a baseline measured in the same run, through the
+real HTTP server (streamed completions with token-id prompts, so tokenization is not measured):
   a) prefix cache: TTFT of a 2,400-token prompt whose first 1,200 (or 1,920 = 80%) tokens
-     were served just before, vs the same-length prompt cold.          targets 1.8x, 3.5x
+     were served just before, vs the same-length prompt cold; beside each, the most a hit
+     could give if time followed the arithmetic (cold / warm prefill FLOPs, bench/flops.py,
+     with the whole KV blocks the cache keeps counted as cached).
+                                                                        targets 1.8x, 3.5x
   b) chunked prefill: one 4,000-token prompt arriving with 16 short ones; the short ones'
      p95 TTFT with chunked prefill vs with prompts taken whole.        target 3x
   c) continuous batching: 16 concurrent 128-token generations vs the same 16 run one by one
-     with transformers' `generate` on the same model.                  target 4x
+     with transformers' `generate` on the same model (a GGUF too).     target 4x
   d) warm-up: fresh `prefixgate backend` processes, per --load-format (mmap, eager), with
      and without --skip-server-warmup: seconds from launch until /health says 200, then the
      first request's TTFT (a 64-token prompt) and a second one's; the ratio is the first
      request's TTFT without warm-up over with it.                      no target
+  e) prompt lengths: TTFT at each of `--tiers` (512, 2,400, 8,000 tokens) cold and with 80%
+     of the prompt served before, against the FLOP limit as in a).     no target
+  f) decode: `--decode-batches` (1, 8, 32) concurrent 128-token generations of short
+     prompts; TPOT p50 over the batch's requests and the batch's rate, batch / TPOT p50.
+                                                                        no target
 Prints medians and ratios; `--out FILE` saves them with the config as JSON.
 """
 from __future__ import annotations
@@ -27,7 +36,9 @@ import time
 
 import aiohttp
 
-from prefixgate.backend.bench.vocab import vocab_size
+from prefixgate.backend.bench.flops import PrefillFlops
+from prefixgate.backend.bench.transformers_model import load_transformers
+from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
 from prefixgate.common.runtime import free_port
@@ -48,20 +59,33 @@ class Prompts:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
 
 
-async def ttft(session, url: str, prompt: list[int], max_tokens: int = 1) -> float:
-    """Seconds from sending the request to the first streamed token; reads the stream to its
-    end."""
+async def stream(session, url: str, prompt: list[int],
+                 max_tokens: int = 1) -> tuple[float, float, int]:
+    """One streamed greedy completion: seconds from sending it to its first token and to its
+    last, and the completion tokens (from the usage chunk)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = None
+    first = last = None
+    tokens = 0
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for line in r.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - t0
-    return first
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                last = time.perf_counter() - t0
+                first = first or last
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    return first, last, tokens
+
+
+async def ttft(session, url: str, prompt: list[int], max_tokens: int = 1) -> float:
+    """Seconds from sending the request to the first streamed token; reads the stream to its
+    end."""
+    return (await stream(session, url, prompt, max_tokens))[0]
 
 
 async def complete(session, url: str, prompt: list[int], max_tokens: int) -> int:
@@ -83,29 +107,75 @@ async def serve(model: str, *flags: str):
                               port=0)
 
 
-async def bench_prefix(model: str, repeats: int, prompts: Prompts) -> dict:
-    server = await serve(model)
-    try:
-        async with aiohttp.ClientSession() as s:
-            await ttft(s, server.url, prompts(64))                   # warm-up
-            cold, warm50, warm80 = [], [], []
-            for _ in range(repeats):
-                cold.append(await ttft(s, server.url, prompts(2400)))
-                for shared, out in ((1200, warm50), (1920, warm80)):
-                    prefix = prompts(shared)
-                    await ttft(s, server.url, prefix)                # served before
-                    out.append(await ttft(s, server.url, prefix + prompts(2400 - shared)))
-    finally:
-        await server.close()
-    samples = {"cold": cold, "shared_50": warm50, "shared_80": warm80}
+async def prefix_hits(session, url: str, repeats: int, prompts: Prompts, tokens: int,
+                      shares: tuple[float, ...], limit) -> dict:
+    """Per repeat: a cold prompt of `tokens`, then for each share a prefix of that share served
+    and the whole prompt after it. Medians, the speed-ups, and the FLOP limit of each
+    (`limit(tokens, cached)`)."""
+    cold, warm = [], {share: [] for share in shares}
+    for _ in range(repeats):
+        cold.append(await ttft(session, url, prompts(tokens)))
+        for share in shares:
+            prefix = prompts(round(tokens * share))
+            await ttft(session, url, prefix)                         # served before
+            warm[share].append(await ttft(session, url, prefix + prompts(tokens - len(prefix))))
+    pct = {share: str(round(share * 100)) for share in shares}
+    samples = {"cold": cold, **{f"shared_{pct[sh]}": v for sh, v in warm.items()}}
     m = {k: statistics.median(v) for k, v in samples.items()}
     # Each repeat measures cold and warm back to back; the median of those paired ratios is
     # less sensitive to load that drifts over the run than the ratio of medians.
-    paired = {k: statistics.median(c / w for c, w in zip(cold, v))
-              for k, v in (("50", warm50), ("80", warm80))}
-    return {"ttft_median_s": m, "samples_s": samples,
-            "prefix_50": m["cold"] / m["shared_50"], "prefix_80": m["cold"] / m["shared_80"],
-            "paired_ratio_median": paired}
+    return {"prompt_tokens": tokens, "ttft_median_s": m, "samples_s": samples,
+            "speedup": {pct[sh]: m["cold"] / m[f"shared_{pct[sh]}"] for sh in shares},
+            "paired_ratio_median": {pct[sh]: statistics.median(c / w for c, w in zip(cold, v))
+                                    for sh, v in warm.items()},
+            "flop_limit": {pct[sh]: limit(tokens, round(tokens * sh)) for sh in shares}}
+
+
+async def _with_server(model: str, prompts: Prompts, measure):
+    """`await measure(session, url, limit)` against one in-process server on `model`, after a
+    warm-up request; `limit(tokens, cached)` is the FLOP limit of a hit on `cached` of
+    `tokens` prompt tokens, of which the cache keeps whole KV blocks only."""
+    server = await serve(model)
+    engine = server.engine.engine
+    flops, block = PrefillFlops.of(engine.model, engine.model_config), engine.args.block_size
+    try:
+        async with aiohttp.ClientSession() as s:
+            await ttft(s, server.url, prompts(64))
+            return await measure(s, server.url, lambda tokens, cached: flops.hit_limit(
+                tokens, cached // block * block))
+    finally:
+        await server.close()
+
+
+async def bench_prefix(model: str, repeats: int, prompts: Prompts) -> dict:
+    r = await _with_server(model, prompts, lambda s, url, limit: prefix_hits(
+        s, url, repeats, prompts, 2400, (0.5, 0.8), limit))
+    return {**r, "prefix_50": r["speedup"]["50"], "prefix_80": r["speedup"]["80"]}
+
+
+async def bench_tiers(model: str, repeats: int, prompts: Prompts, tiers: list[int]) -> dict:
+    async def measure(s, url, limit):
+        return {str(t): await prefix_hits(s, url, repeats, prompts, t, (0.8,), limit)
+                for t in tiers}
+    return {"shared": 0.8, "tiers": await _with_server(model, prompts, measure)}
+
+
+async def bench_decode(model: str, repeats: int, prompts: Prompts, batches: list[int],
+                       new_tokens: int = 128) -> dict:
+    """Each batch's requests start together (short prompts: one step prefills them all)."""
+    async def measure(s, url, _limit):
+        out = {}
+        for b in batches:
+            tpots = []
+            for _ in range(repeats):
+                runs = await asyncio.gather(*(stream(s, url, prompts(32), new_tokens)
+                                              for _ in range(b)))
+                tpots.append(statistics.median((last - first) / (n - 1)
+                                               for first, last, n in runs))
+            tpot = statistics.median(tpots)
+            out[str(b)] = {"tpot_p50_s": tpot, "tok_per_s": b / tpot, "samples_tpot_s": tpots}
+        return out
+    return {"new_tokens": new_tokens, "batches": await _with_server(model, prompts, measure)}
 
 
 async def _long_and_shorts(model: str, flags: list[str], repeats: int,
@@ -141,7 +211,7 @@ async def bench_throughput(model: str, repeats: int, prompts: Prompts, n: int = 
     server = await serve(model)
     ours, theirs = [], []
     try:
-        hf = await asyncio.to_thread(_load_hf, server.engine.engine.model_dir)
+        hf = await asyncio.to_thread(_load_hf, server.engine.engine.model_dir)    # dir or .gguf
         async with aiohttp.ClientSession() as s:
             await ttft(s, server.url, prompts(32), max_tokens=4)
             for _ in range(repeats):
@@ -214,11 +284,10 @@ async def bench_warmup(model: str, repeats: int, prompts: Prompts) -> dict:
             "prompt_tokens": FIRST_PROMPT_TOKENS}
 
 
-def _load_hf(model_dir):
+def _load_hf(model_path):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_transformers(model_path, torch.float32)
     model.generation_config.eos_token_id = None
     with torch.inference_mode():   # warm-up
         model.generate(torch.tensor([[16, 17, 18]]), max_new_tokens=4, do_sample=False,
@@ -243,13 +312,17 @@ async def run(args) -> dict:
     prompts = Prompts(vocab, args.seed)
     result = {"config": vars(args), "targets": TARGETS}
     parts = set(args.parts.split(","))
-    benches = (("a", "prefix_cache", bench_prefix, _report_a),
-               ("b", "chunked_prefill", bench_chunked, _report_b),
-               ("c", "continuous_batching", bench_throughput, _report_c),
-               ("d", "warmup", bench_warmup, _report_d))
-    for part, key, bench, report in benches:
+    m, n = args.model, args.repeats
+    benches = {"a": ("prefix_cache", lambda: bench_prefix(m, n, prompts), _report_a),
+               "b": ("chunked_prefill", lambda: bench_chunked(m, n, prompts), _report_b),
+               "c": ("continuous_batching", lambda: bench_throughput(m, n, prompts), _report_c),
+               "d": ("warmup", lambda: bench_warmup(m, n, prompts), _report_d),
+               "e": ("prompt_lengths", lambda: bench_tiers(m, n, prompts, args.tiers), _report_e),
+               "f": ("decode", lambda: bench_decode(m, n, prompts, args.decode_batches),
+                     _report_f)}
+    for part, (key, bench, report) in benches.items():
         if part in parts:
-            result[key] = await bench(args.model, args.repeats, prompts)
+            result[key] = await bench()
             report(result[key])
     return result
 
@@ -260,13 +333,14 @@ def _verdict(ratio: float, key: str) -> str:
 
 
 def _report_a(r):
-    m = r["ttft_median_s"]
+    m, lim = r["ttft_median_s"], r["flop_limit"]
     print(f"a) prefix cache, 2,400-token prompt TTFT median: cold {m['cold'] * 1e3:.0f} ms, "
           f"50% served before {m['shared_50'] * 1e3:.0f} ms, 80% {m['shared_80'] * 1e3:.0f} ms")
     print(f"   speed-up 50%: {_verdict(r['prefix_50'], 'prefix_50')}; "
           f"80%: {_verdict(r['prefix_80'], 'prefix_80')}")
     p = r["paired_ratio_median"]
-    print(f"   (median of per-repeat cold/warm ratios: 50% {p['50']:.2f}x, 80% {p['80']:.2f}x)")
+    print(f"   (median of per-repeat cold/warm ratios: 50% {p['50']:.2f}x, 80% {p['80']:.2f}x; "
+          f"FLOP limit: 50% {lim['50']:.2f}x, 80% {lim['80']:.2f}x)")
 
 
 def _report_b(r):
@@ -299,10 +373,34 @@ def _report_d(r):
               f"{skip['second_ttft_s'] * 1e3:.0f} ms")
 
 
+def _report_e(r):
+    pct = str(round(r["shared"] * 100))
+    print(f"e) TTFT by prompt length (medians), cold and with {pct}% served before; "
+          f"FLOP limit = cold/warm prefill FLOPs")
+    for tokens, t in r["tiers"].items():
+        m = t["ttft_median_s"]
+        print(f"   {int(tokens):>6,} tokens: cold {m['cold'] * 1e3:8.0f} ms, "
+              f"warm {m['shared_' + pct] * 1e3:7.0f} ms, {t['speedup'][pct]:5.2f}x "
+              f"(paired {t['paired_ratio_median'][pct]:.2f}x; FLOP limit "
+              f"{t['flop_limit'][pct]:.2f}x)")
+
+
+def _report_f(r):
+    print(f"f) decode, {r['new_tokens']} tokens per request (medians): batch, TPOT p50, "
+          f"batch / TPOT")
+    for b, d in r["batches"].items():
+        print(f"   batch {int(b):>3}: {d['tpot_p50_s'] * 1e3:7.1f} ms, "
+              f"{d['tok_per_s']:7.1f} tok/s")
+
+
 def run_report_save(run, report, args) -> int:
-    """The engine benchmarks' ending: `asyncio.run(run(args))`, `report(result)`, and the
-    result saved as JSON where `--out` says."""
+    """The engine benchmarks' ending: torch's CPU threads as `--threads` says (where the
+    benchmark has the flag), `asyncio.run(run(args))`, `report(result)`, and the result saved
+    as JSON where `--out` says."""
     t0 = time.monotonic()
+    if getattr(args, "threads", None):
+        import torch
+        torch.set_num_threads(args.threads)
     result = asyncio.run(run(args))
     report(result)
     if args.out:
@@ -312,27 +410,28 @@ def run_report_save(run, report, args) -> int:
     return 0
 
 
+THREADS_HELP = "torch CPU threads for the engine (and transformers) (default: torch's)"
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.serving",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c,d")
+    p.add_argument("--model", default="demo", help=MODEL_HELP)
+    p.add_argument("--parts", default="a,b,c", help="which benchmarks: any of a,b,c,d,e,f")
+    p.add_argument("--tiers", type=_int_list, default=[512, 2400, 8000],
+                   help="e: prompt lengths (default 512,2400,8000)")
+    p.add_argument("--decode-batches", type=_int_list, default=[1, 8, 32],
+                   help="f: concurrent generations (default 1,8,32)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the engine and transformers alike "
-                        "(default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--out", default=None, help="save results as JSON here")
-    args = p.parse_args(argv)
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-    result = asyncio.run(run(args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {args.out}")
-    return 0
+    # each part prints its figures as it finishes
+    return run_report_save(run, lambda result: None, p.parse_args(argv))
 
 
 if __name__ == "__main__":

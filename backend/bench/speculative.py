@@ -14,7 +14,11 @@ The step budget has room for a whole batch's prompts, so a batch starts decoding
 together; other engine args are the engine's defaults. Medians of `--rounds` and the ratio of
 the medians are reported.
 
-Workloads, picked reproducibly (`--seed`) from one greedy run of the baseline engine over
+Workloads (`--workloads`): on a GGUF model (smollm2, real weights) `rag`, chat requests through
+the model's chat template (bench/chat_workloads.py): quoting is a RAG prompt (documents and a
+question answered by quoting them), free is a free chat prompt, as many different prompts of
+each as the largest batch. Elsewhere (the demo model's random weights quote nothing) `selected`,
+picked reproducibly (`--seed`) from one greedy run of the baseline engine over
 candidate prompts of `--prompt-tokens` tokens, 3 families of `--candidates` each: slices of
 ordinary text (the demo tokenizer's corpus, backend/data), random token ids, and a random
 pattern of 1-2 ids repeated. Each candidate's greedy output is scored by replaying the engine's
@@ -51,6 +55,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+
+from prefixgate.backend.bench.vocab import MODEL_HELP
 
 DEFAULT_SPEC = {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 GATES_OFF = {"disable_by_batch_size": 1 << 30, "min_acceptance_rate": 0.0}
@@ -216,21 +222,59 @@ class _NoCost:
         return 0.0
 
 
-def build_engines(args, spec_cfg):
+def build_engines(args, spec_cfg, prompt_tokens: int):
     from prefixgate.backend.config import EngineArgs
     from prefixgate.backend.engine import LLMEngine
 
-    # A budget with room for a whole batch's prompts, so a cell's requests start decoding
-    # within a step or two; everything else is the engine's defaults.
+    # A budget with room for a whole batch's prompts (`prompt_tokens`: the longest), so a
+    # cell's requests start decoding within a step or two; everything else is the engine's
+    # defaults.
     k = spec_cfg.num_speculative_tokens
     common = dict(model=args.model, device=args.device, dtype=args.dtype,
                   kv_cache_memory=args.kv_cache_memory,
                   max_num_seqs=max(64, max(args.batches), len(FAMILIES) * args.candidates),
-                  max_num_batched_tokens=max(2048,
-                                             max(args.batches) * (args.prompt_tokens + k + 1)))
+                  max_num_batched_tokens=max(2048, max(args.batches) * (prompt_tokens + k + 1)))
     base = LLMEngine(EngineArgs(**common))
     spec = LLMEngine(EngineArgs(**common, speculative_config=spec_cfg))
     return base, spec
+
+
+def default_workloads(model: str) -> str:
+    """rag on a GGUF model (real weights: they quote what they are asked to), selected
+    elsewhere (the demo's random weights answer nothing: workloads are found by their outputs)."""
+    from prefixgate.backend.config import resolve_model
+    from prefixgate.backend.gguf_weights import is_gguf
+
+    return "rag" if is_gguf(resolve_model(model)) else "selected"
+
+
+def rag_and_chat(args) -> dict:
+    """The rag workloads: as many different prompts of each as the largest batch."""
+    from prefixgate.backend.bench.chat_workloads import chat_prompts
+    from prefixgate.backend.config import resolve_model
+    from prefixgate.common.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model(args.model))
+    n = max(args.batches)
+    quoting = chat_prompts(tokenizer, "rag", n, args.seed)
+    free = chat_prompts(tokenizer, "chat", n, args.seed)
+    info = {"quoting_prompts": len(quoting), "free_prompts": len(free), "none_qualified": [],
+            "prompt_tokens_median": {"quoting": statistics.median(map(len, quoting)),
+                                     "free": statistics.median(map(len, free))},
+            "selection_s": 0.0}
+    return {"quoting": quoting, "free": free, "info": info}
+
+
+def selected(base, spec_cfg, args) -> dict:
+    """The selected workloads: candidates scored by one greedy run of the baseline engine."""
+    vocab = min(base.tokenizer.vocab_size, base.model_config.vocab_size)
+    pool = candidates(base.tokenizer, vocab, args.candidates, args.prompt_tokens, args.seed)
+    greedy = _params(args, "quoting", len(pool))
+    ts = time.perf_counter()
+    outputs = generate([_Arm(base, [p for _, p in pool], greedy, "select")])[0]["outputs"]
+    selection = select(pool, outputs, spec_cfg, args)
+    selection["info"]["selection_s"] = time.perf_counter() - ts
+    return selection
 
 
 def run(args) -> dict:
@@ -244,16 +288,13 @@ def run(args) -> dict:
     if args.sweep:
         raw.update(GATES_OFF)
     spec_cfg = parse_speculative_config(raw)
-    base, spec = build_engines(args, spec_cfg)
+    args.workloads = args.workloads or default_workloads(args.model)
+    chat = rag_and_chat(args) if args.workloads == "rag" else None
+    longest = max(map(len, chat["quoting"] + chat["free"])) if chat else args.prompt_tokens
+    base, spec = build_engines(args, spec_cfg, longest)
     if args.sweep:
         spec.speculator.cost = _NoCost()
-    vocab = min(base.tokenizer.vocab_size, base.model_config.vocab_size)
-    pool = candidates(base.tokenizer, vocab, args.candidates, args.prompt_tokens, args.seed)
-    greedy = _params(args, "quoting", len(pool))
-    ts = time.perf_counter()
-    outputs = generate([_Arm(base, [p for _, p in pool], greedy, "select")])[0]["outputs"]
-    selection = select(pool, outputs, spec_cfg, args)
-    selection["info"]["selection_s"] = time.perf_counter() - ts
+    selection = chat or selected(base, spec_cfg, args)
     # Both engines see every selected prompt once (warm-up, and the same prefix-cache state
     # for both arms from the first round on).
     warm = selection["quoting"] + selection["free"]
@@ -342,14 +383,7 @@ def report(r: dict) -> None:
     print(f"  model {c['model']} on {c['device']} ({c['dtype_resolved']}), "
           f"{c['max_tokens']} tokens per request, median of {c['rounds']} rounds, decode only "
           f"(timed from each request's first token)")
-    q = sel["quoting_qualified_by_family"]
-    p = sel["predicted_tokens_per_step"]
-    print(f"  selection: {sel['candidates']} candidates, greedy once; "
-          f"quoting = {sel['quoting_prompts']} prompts "
-          f"with predicted >= {c['min_predicted']} tokens/step (qualified: "
-          + ", ".join(f"{k} {v}" for k, v in q.items())
-          + f"), free = {sel['free_prompts']} text prompts; predicted tokens/step median: all "
-          f"{p['all_median']:.2f}, quoting {p['quoting_median']:.2f}, free {p['free_median']:.2f}")
+    _report_selection(c, sel)
     for w in sel["none_qualified"]:
         print(f"  WARNING: no candidate qualified for {w}; it runs on the closest one "
               f"(see predicted tokens/step)")
@@ -373,6 +407,23 @@ def report(r: dict) -> None:
     else:
         _report_targets(r["targets"])
     print(f"  wall time {r['wall_s']:.0f} s (selection {sel['selection_s']:.0f} s)")
+
+
+def _report_selection(c: dict, sel: dict) -> None:
+    if c["workloads"] == "rag":
+        t = sel["prompt_tokens_median"]
+        print(f"  workloads: quoting = {sel['quoting_prompts']} RAG prompts (median "
+              f"{t['quoting']:.0f} tokens), free = {sel['free_prompts']} chat prompts (median "
+              f"{t['free']:.0f} tokens), through the chat template")
+        return
+    q = sel["quoting_qualified_by_family"]
+    p = sel["predicted_tokens_per_step"]
+    print(f"  selection: {sel['candidates']} candidates, greedy once; "
+          f"quoting = {sel['quoting_prompts']} prompts "
+          f"with predicted >= {c['min_predicted']} tokens/step (qualified: "
+          + ", ".join(f"{k} {v}" for k, v in q.items())
+          + f"), free = {sel['free_prompts']} text prompts; predicted tokens/step median: all "
+          f"{p['all_median']:.2f}, quoting {p['quoting_median']:.2f}, free {p['free_median']:.2f}")
 
 
 def _verdict(ok) -> str:
@@ -436,11 +487,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.speculative",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo", help="model directory, or demo (default)")
+    p.add_argument("--model", default="demo", help=MODEL_HELP)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per engine (two are built)")
+    p.add_argument("--workloads", choices=("rag", "selected"), default=None,
+                   help="rag: RAG quoting and free chat through the chat template; selected: "
+                        "found by a greedy run (default: rag on a GGUF model, else selected)")
     p.add_argument("--speculative-config", default=None,
                    help=f"JSON (default {json.dumps(DEFAULT_SPEC)})")
     p.add_argument("--batches", default=None,

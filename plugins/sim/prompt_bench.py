@@ -11,7 +11,8 @@
 3. TTFT p50 with the bundled engine (demo model, CPU): a 1,200-token system prompt with a
    timestamp at its head, through the gateway with normalize off vs on.
 
-Token counts use the demo model's tokenizer (a byte-level BPE trained on the bundled text).
+Token counts use the demo model's tokenizer (a byte-level BPE trained on the bundled text);
+`--model smollm2` (or a .gguf file, a model directory) runs all three on that model instead.
 """
 from __future__ import annotations
 
@@ -253,14 +254,16 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=200, help="requests per normalize/prerender case")
     p.add_argument("--ttft-n", type=int, default=6, help="requests per TTFT phase")
     p.add_argument("--skip-ttft", action="store_true", help="skip the engine TTFT benchmark")
+    p.add_argument("--model", default="demo",
+                   help="demo (default), smollm2, a .gguf file or a model directory")
     p.add_argument("--json", help="save results (and the config used) to this file")
     args = p.parse_args(argv)
 
-    from prefixgate.backend.demo import ensure_demo_model
+    from prefixgate.backend.config import resolve_model
     from prefixgate.common.tokenizer import Tokenizer
 
-    model_dir = ensure_demo_model()
-    tok = Tokenizer.from_dir(model_dir)
+    model_dir = resolve_model(args.model)
+    tok = Tokenizer.load(model_dir)
     results = {"config": vars(args), "python": platform.python_version(),
                "machine": platform.machine(), "tokenizer": str(model_dir)}
 
@@ -291,8 +294,8 @@ def main(argv=None) -> int:
 
     if not args.skip_ttft:
         results["ttft"] = t = run(bench_ttft(model_dir, tok, args.ttft_n))
-        print(f"TTFT through the gateway, bundled engine (demo model, {t['system_tokens']}-token "
-              f"system prompt, timestamp at its head)")
+        print(f"TTFT through the gateway, bundled engine ({args.model} model, "
+              f"{t['system_tokens']}-token system prompt, timestamp at its head)")
         for phase in ("normalize_off", "normalize_on"):
             print(f"  {phase:>13}: p50 {t[phase]['median_ms']:.1f} ms (first request "
                   f"{t[phase]['first_ms']:.1f} ms)")

@@ -4,6 +4,7 @@
         --requests 100 --out run.json --plot run.png
     prefixgate bench compare before.json after.json
     prefixgate bench --scenario seed --out seed.json      # the staircase, on the demo model
+    prefixgate bench --scenario seed --model smollm2      # ... on SmolLM2-135M-Instruct
 
 Each cell (prompt tier x concurrency, or tier x arrival rate) runs `--warmup` requests that
 are not counted, then `--requests` measured ones, streamed, each timed to its first content
@@ -66,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
                                  "is fine)")
     p.add_argument("--scenario", choices=["seed", "mixed"], help="run a built-in scenario "
-                   "instead: `seed` is the TTFT staircase on the bundled demo engine; `mixed`: "
+                   "instead, on bundled engines: `seed` is the TTFT staircase; `mixed`: "
                    "long prompts arriving while other requests decode, with and without "
                    "prefill/decode disaggregation")
-    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--model", help="model name to send (default: the first of /v1/models); "
+                   "with --scenario, the model the engines run: demo (default), smollm2, a "
+                   ".gguf file or a model directory")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
                    "512,2400,8000; seed: the prompt length, 1024)")
@@ -92,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompt that is a system prompt shared by all requests (default 0.8)")
     p.add_argument("--dynamic-head", action="store_true", help="put the current time at the "
                    "head of the system prompt, as many apps do (breaks prefix caching)")
-    p.add_argument("--tokenizer", help="dir with the target's tokenizer.json (or `demo`) for "
-                   "exact prompt lengths; without it lengths are approximate (1 word = 1 token)")
+    p.add_argument("--tokenizer", help="the target's tokenizer for exact prompt lengths: a dir "
+                   "with tokenizer.json, a .gguf file, or `smollm2` / `demo`; without it "
+                   "lengths are approximate (1 word = 1 token)")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0, help="TTFT SLO for goodput")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
     p.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")

@@ -1,7 +1,8 @@
 """`prefixgate bench --scenario mixed`: long prompts arriving while other requests decode,
 with and without prefill/decode disaggregation.
 
-Two bundled engines on the demo model behind the gateway, in two layouts on the same cores:
+Two bundled engines behind the gateway (on the demo model unless `--model` names another), in
+two layouts on the same cores:
 
     mixed   both engines prefill and decode (least in flight)
     pd      one prefill engine and one decode engine (`pd: {protocol: prefixgate}`)
@@ -18,6 +19,7 @@ import asyncio
 import sys
 from dataclasses import asdict, dataclass
 
+from prefixgate.backend.config import served_name
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
@@ -65,13 +67,15 @@ def parse_workload(args) -> MixedWorkload:
 
 def run_mixed(args) -> int:
     w = parse_workload(args)
-    return target.run_demo_scenario(
-        args, lambda lengths: run_layouts(w, lengths, args.timeout, args.slo_ttft_ms),
-        print_mixed)
+    model = target.scenario_model(args)
+    return target.run_scenario(
+        args, lambda lengths: run_layouts(w, lengths, args.timeout, args.slo_ttft_ms,
+                                          model=model), print_mixed)
 
 
 async def run_layouts(w: MixedWorkload, lengths: Lengths, timeout: float,
-                      slo_ttft_ms: float, layouts=tuple(LAYOUTS), launcher=None) -> dict:
+                      slo_ttft_ms: float, layouts=tuple(LAYOUTS), launcher=None,
+                      model: str = "demo") -> dict:
     decode_prompts = PromptSet(PromptSpec(w.decoder_prompt_tokens, seed=w.seed), lengths)
     long_prompts = PromptSet(PromptSpec(w.long_prompt_tokens, seed=w.seed + 1), lengths)
     runs: dict[str, list[tuple[list, list]]] = {name: [] for name in layouts}
@@ -80,7 +84,8 @@ async def run_layouts(w: MixedWorkload, lengths: Lengths, timeout: float,
             print(f"[round {r + 1}/{w.rounds}] {name}: starting engines "
                   f"({', '.join(LAYOUTS[name])})", file=sys.stderr, flush=True)
             runs[name].append(await run_layout(name, w, decode_prompts, long_prompts, timeout,
-                                               offset=r * 100_000, launcher=launcher))
+                                               offset=r * 100_000, launcher=launcher,
+                                               model=model))
     slo_s = slo_ttft_ms / 1000.0
     cells = []
     for name in layouts:
@@ -91,18 +96,22 @@ async def run_layouts(w: MixedWorkload, lengths: Lengths, timeout: float,
         cells.append(target.cell_record(f"{name}: decoders",
                                         {"layout": name, "kind": "decode"}, decodes, slo_s))
     return {"schema": archive_mod.SCHEMA, "kind": "mixed",
-            "config": {"scenario": "mixed", "model": "demo", "workload": asdict(w),
+            "config": {"scenario": "mixed", "model": model, "workload": asdict(w),
                        "engine_args": w.engine_args(), "layouts": {k: LAYOUTS[k] for k in layouts},
                        "slo_ttft_ms": slo_ttft_ms, "max_tokens": w.decoder_tokens},
             "environment": archive_mod.environment(), "cells": cells}
 
 
 async def run_layout(name: str, w: MixedWorkload, decode_prompts: PromptSet,
-                     long_prompts: PromptSet, timeout: float, offset: int = 0, launcher=None):
-    """One run: engines in this layout (`launcher`, default: bundled engine processes), the
-    gateway in front, both loads at once; returns (long-prompt samples, decoder samples)."""
+                     long_prompts: PromptSet, timeout: float, offset: int = 0, launcher=None,
+                     model: str = "demo"):
+    """One run: engines on `model` in this layout (`launcher`, default: bundled engine
+    processes), the gateway in front, both loads at once; returns (long-prompt samples,
+    decoder samples)."""
     roles = LAYOUTS[name]
-    engines = await target.start_engines(roles, w.engine_args(), w.engine_threads, launcher)
+    engines = await target.start_engines(roles, w.engine_args(), w.engine_threads, launcher,
+                                         model)
+    name_sent = served_name(model)
     raw = target.engines_config(engines, roles, [{"least_inflight": {}}, {"metrics": {}}], timeout)
     runner = None
     try:
@@ -117,15 +126,15 @@ async def run_layout(name: str, w: MixedWorkload, decode_prompts: PromptSet,
                 i = 0
                 while not stop.is_set():
                     n = offset + user * 10_000 + i
-                    body = target.request_body(decode_prompts.body(n), "demo", w.decoder_tokens,
-                                               True, "chat")
+                    body = target.request_body(decode_prompts.body(n), name_sent,
+                                               w.decoder_tokens, True, "chat")
                     decodes.append(await stream_once(session, chat, body, {}, Sample(index=n)))
                     i += 1
             users = [asyncio.ensure_future(decoder(u)) for u in range(w.decoders)]
             await asyncio.sleep(1.0)            # the decoders are mid-stream when longs come
             longs = await target.measure(
                 session, chat, {}, lambda i: target.request_body(
-                    long_prompts.body(offset + i), "demo", w.long_tokens, True, "chat"),
+                    long_prompts.body(offset + i), name_sent, w.long_tokens, True, "chat"),
                 requests=w.long_requests, warmup=0, rate=w.rate, seed=w.seed,
                 label=f"{name} (long prompts)")
             stop.set()

@@ -2,8 +2,9 @@
 
 The published experiment this follows cut p95 TTFT from 1850 to 425 ms (-77%) by fixing,
 one after another, what sat in front of the model's arithmetic. Here the same steps run
-against two bundled engines on the demo model behind the gateway, stage by stage, each
-stage adding one fix to the one before (engines restarted, so no stage inherits a cache):
+against two bundled engines behind the gateway (on the demo model unless `--model` names
+another, e.g. smollm2), stage by stage, each stage adding one fix to the one before (engines
+restarted, so no stage inherits a cache):
 
     baseline           no normalize, no prefix cache, no chunked prefill, round robin
     +normalize         the timestamp at the head of the system prompt moves to the tail
@@ -36,6 +37,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
+from prefixgate.backend.config import served_name
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
@@ -108,8 +110,9 @@ class Workload:
     engine_threads: int = 1          # torch threads per engine: engines x threads <= cores
     batched_tokens: int = 512        # engine step budget
     cached_tenants: float = 0.75     # fraction of all tenants' prefixes one engine's KV holds
-    kv_offloading_size: float = 0.5  # GiB of second tier per engine (last stage): every
-                                     # tenant's prefix several times over
+    kv_offloading_size: float = 1.0  # GiB of second tier per engine (last stages): every
+                                     # tenant's prefix, 0.6 GiB in SmolLM2's fp32 KV (45 KB
+                                     # a token), 0.08 GiB in the demo's
     policy: str = "cache_aware"      # prefix_route policy for the last stage
     balance_abs: float = 8           # cache_aware: in-flight gap that counts as imbalance;
                                      # a spilled request recomputes its whole prefix, which
@@ -179,8 +182,8 @@ def parse_workload(args) -> Workload:
 def run_seed(args) -> int:
     w = parse_workload(args)
     stages = [s for s in STAGES if not args.stages or s.name.lstrip("+") in args.stages]
-    return target.run_demo_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
-                                    print_staircase)
+    return target.run_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
+                               print_staircase)
 
 
 async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
@@ -188,6 +191,7 @@ async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
     """Every stage, `w.rounds` times over (stages interleaved, so a slow spell of a shared
     machine spreads over all of them); samples of a stage's rounds are pooled."""
     prompts = SeedPrompts(w, lengths)
+    model = target.scenario_model(args)
     runs: dict[str, list[dict]] = {s.name: [] for s in stages}
     per_round = w.warmup + w.requests
     for r in range(w.rounds):
@@ -196,10 +200,10 @@ async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
                   f"starting {w.engines} engines ({' '.join(stage.engine_args(w))})",
                   file=sys.stderr, flush=True)
             runs[stage.name].append(await run_stage(stage, w, prompts, args.timeout, launcher,
-                                                    offset=r * per_round))
+                                                    offset=r * per_round, model=model))
     slo_s = args.slo_ttft_ms / 1000.0
     return {"schema": archive_mod.SCHEMA, "kind": "seed",
-            "config": {"scenario": "seed", "model": "demo", "max_tokens": w.max_tokens,
+            "config": {"scenario": "seed", "model": model, "max_tokens": w.max_tokens,
                        "lengths": "exact", "slo_ttft_ms": args.slo_ttft_ms,
                        "workload": asdict(w), "kv_blocks_per_engine": w.kv_blocks(),
                        "prompt_tokens_built": prompts.sets[0].measured_tokens(prompts.body(0))},
@@ -208,11 +212,12 @@ async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
 
 
 async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: float,
-                    launcher=None, offset: int = 0) -> dict:
-    """One run of a stage: start the engines (`launcher`, default: bundled engine processes),
-    put a gateway with the stage's plugins in front, measure, stop everything."""
+                    launcher=None, offset: int = 0, model: str = "demo") -> dict:
+    """One run of a stage: start the engines on `model` (`launcher`, default: bundled engine
+    processes), put a gateway with the stage's plugins in front, measure, stop everything."""
     roles = stage.roles(w)
-    engines = await target.start_engines(roles, stage.engine_args(w), w.engine_threads, launcher)
+    engines = await target.start_engines(roles, stage.engine_args(w), w.engine_threads, launcher,
+                                         model)
     raw = target.engines_config(engines, roles, stage.plugins(w), timeout)
     runner = None
     try:
@@ -220,8 +225,8 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
         runner, url = await start_app(gateway.make_app(), "127.0.0.1", 0)
         async with target.client_session(timeout) as session:
             def body(i: int, start: int = offset) -> dict:
-                return target.request_body(prompts.body(start + i), "demo", w.max_tokens, True,
-                                           "chat")
+                return target.request_body(prompts.body(start + i), served_name(model),
+                                           w.max_tokens, True, "chat")
             # each tenant's first, cold visit, all answered before the users start (a
             # production cache is warm in steady state; the scheduler would serve these
             # cold prefills after the cache hits that keep arriving)
@@ -293,7 +298,7 @@ def print_staircase(archive: dict) -> None:
     w = archive["config"]["workload"]
     load = (f"{w['concurrency']} users pausing {w['think_ms'] / 1000:g} s on average"
             if w.get("think_ms") else f"concurrency {w['concurrency']} back to back")
-    print(f"\nseed staircase: {w['engines']} engines on the demo model, "
+    print(f"\nseed staircase: {w['engines']} engines on the {archive['config']['model']} model, "
           f"{archive['config']['prompt_tokens_built']}-token prompts ({w['shared']:.0%} shared "
           f"by tenant, {w['tenants']} tenants), {load}, {w['max_tokens']} output tokens, "
           f"{w['requests'] * w['rounds']} requests per stage; TTFT in ms, reduction vs "

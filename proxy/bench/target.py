@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from prefixgate.backend.config import resolve_model
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.client import Sample, closed_loop, open_loop, stream_once
 from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
@@ -103,11 +104,12 @@ def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: flo
             "samples": [s.to_json(origin) for s in samples]}
 
 
-async def start_engines(roles: list[str], args: list[str], threads: int, launcher=None):
-    """Bundled engines on the demo model, one per role (`launcher`: stand-ins, for tests),
-    each with `threads` torch threads (engines x threads <= cores); started and ready."""
+async def start_engines(roles: list[str], args: list[str], threads: int, launcher=None,
+                        model: str = "demo"):
+    """Bundled engines on `model`, one per role (`launcher`: stand-ins, for tests), each with
+    `threads` torch threads (engines x threads <= cores); started and ready."""
     engines = (launcher or BundledEngines)({
-        "model": "demo", "instances": len(roles), "roles": roles, "host": "127.0.0.1",
+        "model": model, "instances": len(roles), "roles": roles, "host": "127.0.0.1",
         "args": args, "startup_timeout_s": 600})
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)     # inherited by the engines only
@@ -139,13 +141,21 @@ def given(workload, **flags):
     return dataclasses.replace(workload, **{k: v for k, v in flags.items() if v is not None})
 
 
-def run_demo_scenario(args, run, report) -> int:
-    """A built-in scenario on the demo model: `run(lengths)` (a coroutine) makes its archive,
-    `report(archive)` prints it; then --out/--plot. Exit status 0, 1 (it failed), 2 (no demo)."""
+def scenario_model(args) -> str:
+    """The model a built-in scenario's engines run: `--model` (a built-in name, a .gguf file or
+    a model directory), else the demo, whose figures the documented ones are."""
+    return args.model or "demo"
+
+
+def run_scenario(args, run, report) -> int:
+    """A built-in scenario on `scenario_model(args)`: `run(lengths)` (a coroutine) makes its
+    archive, `report(archive)` prints it; then --out/--plot. Exit status 0, 1 (it failed),
+    2 (no such model)."""
+    model = scenario_model(args)
     try:
-        lengths = Lengths(load_tokenizer("demo"))
+        lengths = Lengths(load_tokenizer(str(resolve_model(model))))
     except (OSError, ValueError) as e:
-        print(f"prefixgate bench: cannot build the demo model: {e}", file=sys.stderr)
+        print(f"prefixgate bench: cannot run the scenario on {model}: {e}", file=sys.stderr)
         return 2
     try:
         archive = asyncio.run(run(lengths))

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "two); default: a built-in probe")
     p.add_argument("--model", help="model to use (default: the request's, else /v1/models)")
     p.add_argument("--metrics-url", help="where the engine's /metrics is (default: URL)")
-    p.add_argument("--tokenizer", help="the model's tokenizer dir (or `demo`): offsets in tokens")
+    p.add_argument("--tokenizer", help="the model's tokenizer: a dir, a .gguf file, or "
+                   "`smollm2` / `demo`: offsets in tokens")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens for the streaming check")
     p.add_argument("--api-key", help="Bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")

@@ -62,3 +62,43 @@ def test_bench_spec_decode_sweep_turns_the_gates_off(tmp_path, capsys, monkeypat
     (_, spec), = built
     assert spec.spec_stats()["num_drafts"] > 0
     assert all(spec.speculator.bar(b) == 0.0 for b in (1, 4, 16, 64, 1 << 20))
+
+
+def test_rag_workloads_quote_documents_through_the_chat_template():
+    from prefixgate.backend.bench.chat_workloads import DOCUMENTS, chat_prompts
+    from prefixgate.backend.config import resolve_model
+    from prefixgate.common.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model("smollm2"))
+    rag, chat = (chat_prompts(tok, kind, 5, seed=0) for kind in ("rag", "chat"))
+    assert len(rag) == len(chat) == 5 and len({tuple(p) for p in rag + chat}) == 10
+    assert chat_prompts(tok, "rag", 5, seed=0) == rag                  # reproducible
+    for ids in rag:
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert text.startswith("<|im_start|>system\nAnswer the user's question using only")
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert all(f"Document {i}:\n" in text for i in range(1, DOCUMENTS + 1))
+        # the question names a document by the words it begins with
+        question = text.rsplit("<|im_start|>user\n", 1)[1]
+        n, start = int(question.split("document ")[1][0]), question.split('"')[1]
+        assert text.split(f"Document {n}:\n")[1].startswith(start)
+    for ids in chat:
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert "Document" not in text and text.count("<|im_start|>") == 3   # default system turn
+    assert bench_spec_decode.default_workloads("smollm2") == "rag"
+
+
+def test_bench_spec_decode_rag_workloads_run_end_to_end(tmp_path, capsys, model):
+    out = tmp_path / "rag.json"
+    argv = ["--quick", "--workloads", "rag", "--batches", "1,2", "--model", str(model),
+            "--device", "cpu", "--out", str(out)]
+    assert bench_spec_decode.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["workloads"] == "rag"
+    assert data["selection"]["quoting_prompts"] == data["selection"]["free_prompts"] == 2
+    cells = {(c["workload"], c["batch"]) for c in data["cells"]}
+    assert cells == {(w, b) for w in ("quoting", "free") for b in (1, 2)}
+    assert all(c["same_output_fraction"] is not None for c in data["cells"])
+    assert "RAG prompts" in capsys.readouterr().out
+    # a directory model (the demo's random weights, this tiny one) keeps the selected workloads
+    assert bench_spec_decode.default_workloads(str(model)) == "selected"
