@@ -260,7 +260,8 @@ def load_gguf(path: Path, dtype, device):
     _raise_if(gguf_weights.tensor_problems(reader, expected))
     state, rope_freqs = {}, None
     for name, tensor, problem in _read_gguf(reader, config):
-        _raise_if([problem] if problem else [])
+        if problem:
+            raise WeightError(problem)
         if name == gguf_weights.ROPE_FREQS:
             rope_freqs = tensor
         else:
