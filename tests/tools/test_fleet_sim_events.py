@@ -33,7 +33,8 @@ def test_engine_events_reach_the_gateway_as_the_block_manager_caches():
     bm.free(cached_prompt(bm, first))
     [stored] = decode_batch(encode(sink.take(), ts=1.0))
     chain = block_hash_chain(first, BS)
-    assert stored == Stored(chain, None, first[:12], BS, None, "GPU")   # the root's parent: None
+    assert stored == Stored(chain, None, first[:12], BS, None, "GPU",    # the root's parent: None
+                            None, [None] * 3, "full_attention")
     bm.free(cached_prompt(bm, list(range(500, 514))))      # 4 blocks: 3 cached ones are reused
     events = decode_batch(encode(sink.take(), ts=2.0))
     removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
