@@ -19,7 +19,8 @@ Face directory (backend/hf_export.py) into the cache: the same weights and the s
 tokenizer (llama.cpp's pre-tokenizer) as the bundled engine loads, so outputs compare.
 
 Servers: `--enforce-eager` (ready in 30-60 s; compiling costs ~90 s and is not cached),
-`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache (1 here: 23k tokens for SmolLM2), each server's
+`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache (whole GiB only; 1 here: 23,296 tokens for SmolLM2;
+`--num-gpu-blocks-override N` caps it at N blocks where a test wants a small cache), each server's
 OpenMP threads bound to cores of its own (`VLLM_CPU_OMP_THREADS_BIND`; vLLM binds every server
 to core 0 otherwise), `--enable-prompt-tokens-details` so that usage reports cached tokens.
 vLLM's CPU backend caches KV in blocks of 128 tokens. Each server runs in a session of its own
@@ -172,11 +173,11 @@ class VLLMServer:
                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"})]
         return cmd
 
-    def start(self, kvcache_gib: float = 1.0, env: dict | None = None) -> None:
+    def start(self, kvcache_gib: int = 1, env: dict | None = None) -> None:
         # `python -m` puts the working directory first on sys.path: run from a checkout of
         # prefixgate, vLLM's `import kernels` (a transformers probe) would find our kernels/
         environ = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-                   "VLLM_CPU_KVCACHE_SPACE": f"{kvcache_gib:g}",
+                   "VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)),
                    "VLLM_CPU_OMP_THREADS_BIND": self.cores, "VLLM_NO_USAGE_STATS": "1",
                    "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    **(env or {})}
@@ -239,7 +240,7 @@ def core_sets(n: int, cores: int | None = None) -> list[str]:
 @contextlib.contextmanager
 def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
                  served_model_name: str = "smollm2", args: list[str] | None = None,
-                 kv_events: bool = True, kvcache_gib: float = 1.0, env: dict | None = None,
+                 kv_events: bool = True, kvcache_gib: int = 1, env: dict | None = None,
                  log_dir: str | Path | None = None, cores: list[str] | None = None,
                  timeout: float = READY_TIMEOUT_S):
     """`n` vLLM servers, started together and ready; stopped on exit. Raises VLLMUnavailable

@@ -4,12 +4,10 @@ stand-in HTTP upstreams behind a real gateway and real clients."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.common.schema import ConfigError
 from prefixgate.common.tokenizer import Tokenizer
@@ -18,7 +16,7 @@ from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.testing.kv_events_standin import EngineCache, KVEventsStandIn
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.helpers import Answers
-from tests.plugins.helpers import follow_up, tenant
+from tests.plugins.helpers import blocks, follow_up, metrics, route, sample, tenant, until, up
 
 ROUTE = {"policy": "cache_aware", "index": "kv_events", "kv_events_probe_s": 0.2,
          "kv_events_timeout_s": 0.3}
@@ -57,48 +55,6 @@ async def fleet(make_standin, make_gateway, publishers, chatml_dir):
         gw.raw = raw
         return gw
     return factory
-
-
-async def route(client, gw, messages) -> tuple[str, str]:
-    """(upstream, outcome) of one chat request through the gateway."""
-    async with client.post(gw.url + "/v1/chat/completions",
-                           json={"model": "standin-model", "messages": messages}) as r:
-        await r.read()
-        assert r.status == 200
-        header = r.headers["x-prefixgate-route"]
-        return r.headers["x-prefixgate-upstream"], re.search(r"outcome=(\w+)", header).group(1)
-
-
-async def metrics(client, gw) -> dict:
-    """{(sample name, sorted labels): value} from the gateway's /metrics."""
-    async with client.get(gw.url + "/metrics") as r:
-        text = await r.text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def sample(m: dict, name: str, **labels) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-async def until(client, gw, cond, timeout=5.0) -> dict:
-    """Poll /metrics until `cond(metrics)` holds; the metrics that made it hold."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = await metrics(client, gw)
-        if cond(m):
-            return m
-        assert time.monotonic() < deadline, "condition not reached; metrics: " + repr(
-            {k: v for k, v in m.items() if "kv_" in k[0]})
-        await asyncio.sleep(0.02)
-
-
-def up(m, name) -> bool:
-    return sample(m, "prefixgate_route_kv_events_up", upstream=name) == 1.0
-
-
-def blocks(m, name) -> float:
-    return sample(m, "prefixgate_route_kv_index_blocks", upstream=name)
 
 
 def n_blocks(ids) -> int:
