@@ -104,13 +104,21 @@ def ensure_vllm(log=print) -> Path:
 
 def _run(cmd: list[str]) -> None:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                              cwd=cache_dir(), env=_clean_env())
     except subprocess.TimeoutExpired:
         raise VLLMUnavailable(f"{shlex.join(cmd)}: still running after "
                               f"{INSTALL_TIMEOUT_S}s") from None
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
         raise VLLMUnavailable(f"{shlex.join(cmd)} exited with {done.returncode}:\n{tail}")
+
+
+def _clean_env() -> dict:
+    """The environment for vLLM's python, which runs outside any checkout of prefixgate (the
+    callers set cwd): `python -m`/`-c` put the working directory first on sys.path, where a
+    transformers probe's `import kernels` would find prefixgate's kernels/ folder."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 def prepare_model(model: str = "smollm2", dtype: str = "float32", log=print) -> Path:
@@ -174,10 +182,7 @@ class VLLMServer:
         return cmd
 
     def start(self, kvcache_gib: int = 1, env: dict | None = None) -> None:
-        # `python -m` puts the working directory first on sys.path: run from a checkout of
-        # prefixgate, vLLM's `import kernels` (a transformers probe) would find our kernels/
-        environ = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-                   "VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)),
+        environ = {**_clean_env(), "VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)),
                    "VLLM_CPU_OMP_THREADS_BIND": self.cores, "VLLM_NO_USAGE_STATS": "1",
                    "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    **(env or {})}
@@ -185,7 +190,7 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                          env=environ, start_new_session=True,
-                                         cwd=venv_dir())   # not a checkout: see above
+                                         cwd=venv_dir())   # not a checkout: see _clean_env
         finally:
             if self.log_path:
                 out.close()
