@@ -30,7 +30,7 @@ import yaml
 from aiohttp import web
 
 from prefixgate.common.runtime import install_uvloop
-from prefixgate.proxy.testing.standin import Behaviour, StandIn, _chunk, _prompt_len
+from prefixgate.proxy.testing.standin import Behaviour, StandIn, streamed_bytes
 
 
 # --- child processes -------------------------------------------------------------------------
@@ -90,14 +90,7 @@ def fds(pid: int) -> int:
 # --- the load --------------------------------------------------------------------------------
 def expected_stream(body: dict, tokens: int, model: str) -> bytes:
     """The exact bytes the stand-in streams for this request."""
-    rid, chat = "cmpl-standin", True
-    out = [b"data: " + json.dumps(_chunk(rid, chat, i, model)).encode() + b"\n\n"
-           for i in range(tokens)]
-    final = _chunk(rid, chat, None, model)
-    final["usage"] = {"prompt_tokens": _prompt_len(body), "completion_tokens": tokens,
-                      "total_tokens": _prompt_len(body) + tokens}
-    out.append(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
-    return b"".join(out)
+    return streamed_bytes(body, tokens, model)
 
 
 class Tally:

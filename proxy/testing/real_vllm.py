@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -63,7 +64,8 @@ NIXL_VERSION = "1.5.1"      # NIXL's Python API; its UCX moves KV over TCP on a 
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 BLOCK_SIZE = 128            # vLLM's CPU backend's KV cache block
 INSTALL_TIMEOUT_S = 1200
-READY_TIMEOUT_S = 300
+READY_TIMEOUT_S = 420      # ~35 s alone on an idle machine; minutes on a crowded one
+PR_SET_PDEATHSIG = 1        # linux/prctl.h
 
 
 class VLLMUnavailable(RuntimeError):
@@ -234,6 +236,7 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                          env=environ, start_new_session=True,
+                                         preexec_fn=_die_with_parent,
                                          cwd=venv_dir())   # not a checkout: see _clean_env
         finally:
             if self.log_path:
@@ -277,6 +280,13 @@ class VLLMServer:
             os.killpg(proc.pid, signal.SIGKILL)     # the engine core may outlive its parent
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (a test run
+    killed by its timeout), so no server outlives its test run spinning on a core; vLLM's API
+    server then stops its engine core itself."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def core_sets(n: int, cores: int | None = None) -> list[str]:

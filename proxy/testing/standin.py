@@ -1,5 +1,10 @@
 """A stand-in OpenAI-compatible upstream that streams SSE like vLLM.
 
+Its answers have vLLM 0.32's shape, checked against the real server (tests/vllm): compact
+JSON; streams labelled `text/event-stream; charset=utf-8`, chat's opening with the
+assistant's role and an empty content, the finish reason on the last token's event, and the
+usage in an event of its own only when `stream_options.include_usage` asks for it.
+
 Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. Besides chat and
 completions it serves the rest of vLLM's OpenAI-compatible surface (embeddings, the Responses
 API, rerank, score, tokenize, audio uploads ...: proxy/testing/surface.py) and SGLang's
@@ -27,8 +32,12 @@ from multidict import CIMultiDict
 
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.proxy.testing.surface import (
+    EVENT_STREAM,
     Surface,
     answer_model,
+    base_models,
+    compact,
+    json_response,
     model_cards,
     model_not_found,
     paced_tokens,
@@ -122,7 +131,7 @@ class StandIn(Surface):
             return err
         b = replace(b, model=answer_model(b, body.get("model")))
         if b.fail == "status":
-            return web.json_response({"error": {"message": "stand-in failure", "type":
+            return json_response({"error": {"message": "stand-in failure", "type":
                                                 "server_error", "code": None}}, status=b.status)
         if b.fail == "hang":
             await asyncio.sleep(3600)
@@ -138,7 +147,7 @@ class StandIn(Surface):
             if body.get("stream"):
                 return await self._stream(request, body, b, usage)
             await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
-            return web.json_response(self._whole(request.path, body, b, usage))
+            return json_response(self._whole(request.path, body, b, usage))
         except asyncio.CancelledError:
             self.aborted += 1
             raise
@@ -149,19 +158,15 @@ class StandIn(Surface):
         if b.fail == "reset_after" and b.fail_after == 0:
             request.transport.close()          # reset before any byte of the response
             return web.Response()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
         await resp.prepare(request)
         chat = request.path.endswith("chat/completions")
-        rid = "cmpl-standin"          # fixed, so proxied and direct streams compare byte for byte
+        writes = stream_writes(body, chat, b.model, b.tokens, usage)
         async for i in paced_tokens(b, request):
-            await resp.write(b"data: " + json.dumps(_chunk(rid, chat, i, b.model)).encode()
-                             + b"\n\n")
+            await resp.write(writes[i])
         if was_reset(request):
             return resp
-        final = _chunk(rid, chat, None, b.model)
-        final["usage"] = usage
-        await resp.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write(writes[-1])
         await resp.write_eof()
         self.completed += 1
         return resp
@@ -179,20 +184,46 @@ class StandIn(Surface):
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": model_cards(self.behaviour)})
+        return json_response({"object": "list", "data": model_cards(self.behaviour)})
 
     async def health(self, request):
         return web.Response(text="ok")
 
     async def metrics(self, request):
-        cache = ""
-        if self.behaviour.prefix_cache is not None:
-            cache = (f"vllm:prefix_cache_queries_total {self.cache.queries}\n"
-                     f"vllm:prefix_cache_hits_total {self.cache.hits}\n")
-        return web.Response(text=(
-            f"vllm:num_requests_running {self.running}\n"
-            f"vllm:num_requests_waiting 0\n"
-            f"vllm:kv_cache_usage_perc {self.behaviour.kv_usage}\n" + cache))
+        b = self.behaviour
+        return web.Response(text=metrics_page(base_models(b)[0], self.running, b.kv_usage,
+                                              self.cache if b.prefix_cache is not None else None))
+
+
+def metrics_page(model: str, running: int, kv_usage: float,
+                 cache: PrefixCacheModel | None) -> str:
+    """vLLM's /metrics, the part the gateway reads: gauges and counters labelled by engine and
+    served model, with their HELP and TYPE lines (and the per-reason waiting gauge whose name
+    begins like the total's)."""
+    labels = f'engine="0",model_name="{model}"'
+
+    def family(name: str, kind: str, what: str, samples: list[tuple[str, str, float]]) -> str:
+        lines = [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{suffix}{{{labels}{extra}}} {float(value)}"
+                  for suffix, extra, value in samples]
+        return "\n".join(lines) + "\n"
+    page = [family("vllm:num_requests_running", "gauge",
+                   "Number of requests in model execution batches.", [("", "", running)]),
+            family("vllm:num_requests_waiting", "gauge",
+                   "Number of requests waiting to be processed.", [("", "", 0)]),
+            family("vllm:num_requests_waiting_by_reason", "gauge",
+                   "Number of requests waiting, by the reason they wait.",
+                   [("", f',reason="{r}"', 0) for r in ("capacity", "deferred")]),
+            family("vllm:kv_cache_usage_perc", "gauge",
+                   "KV-cache usage. 1 means 100 percent usage.", [("", "", kv_usage)])]
+    if cache is not None:
+        page += [family("vllm:prefix_cache_queries", "counter",
+                        "Prefix cache queries, in terms of number of queried tokens.",
+                        [("_total", "", cache.queries)]),
+                 family("vllm:prefix_cache_hits", "counter",
+                        "Prefix cache hits, in terms of number of cached tokens.",
+                        [("_total", "", cache.hits)])]
+    return "".join(page)
 
 
 @dataclass
@@ -233,16 +264,51 @@ def _usage(body: dict, completion_tokens: int, cached: int | None) -> dict:
     return usage
 
 
-def _chunk(rid: str, chat: bool, i: int | None, model: str) -> dict:
-    finish = "length" if i is None else None
+def stream_writes(body: dict, chat: bool, model: str, tokens: int, usage: dict) -> list[bytes]:
+    """A streamed answer as the stand-in writes it, shaped like vLLM's: one write per token
+    (chat's first also carries the opening role event; the last token's event carries the
+    finish reason), then the tail: a finish event if there was no token, the usage in an
+    event of its own only when `stream_options.include_usage` asks, and [DONE]."""
+    rid = "cmpl-standin"          # fixed, so proxied and direct streams compare byte for byte
+    writes = []
+    for i in range(tokens):
+        events = [_chunk(rid, chat, model, role=True)] if chat and i == 0 else []
+        events.append(_chunk(rid, chat, model, f"tok{i} ", "length" if i == tokens - 1 else None))
+        writes.append(b"".join(map(_event, events)))
+    tail = [_chunk(rid, chat, model, "", "length", role=chat)] if tokens == 0 else []
+    if (body.get("stream_options") or {}).get("include_usage"):
+        tail.append({"id": rid, "object": _chunk_object(chat), "created": 0, "model": model,
+                     "choices": [], "usage": usage})
+    writes.append(b"".join(map(_event, tail)) + b"data: [DONE]\n\n")
+    return writes
+
+
+def streamed_bytes(body: dict, tokens: int, model: str, chat: bool = True) -> bytes:
+    """Every byte of the stand-in's streamed answer to `body` (without a modelled prefix
+    cache), for checkers that compare what a client received."""
+    usage = _usage(body, tokens, None)
+    return b"".join(stream_writes(body, chat, model, tokens, usage))
+
+
+def _chunk_object(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"
+
+
+def _chunk(rid: str, chat: bool, model: str, text: str = "", finish: str | None = None,
+           role: bool = False) -> dict:
+    """One streamed event's JSON; for chat, `role` makes it the opening one (the assistant
+    role and an empty content, as vLLM sends before the first token)."""
     if chat:
-        delta = {} if i is None else ({"role": "assistant", "content": f"tok{i} "} if i == 0
-                                      else {"content": f"tok{i} "})
-        return {"id": rid, "object": "chat.completion.chunk", "created": 0, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    return {"id": rid, "object": "text_completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "text": "" if i is None else f"tok{i} ",
-                         "finish_reason": finish}]}
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": _chunk_object(chat), "created": 0, "model": model,
+            "choices": [choice]}
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {compact(data)}\n\n".encode()
 
 
 def _prompt_text(body: dict) -> str:

@@ -28,10 +28,20 @@ from aiohttp import MultipartReader, web
 from aiohttp.streams import StreamReader
 
 MAX_MODEL_LEN = 4096
+EVENT_STREAM = "text/event-stream; charset=utf-8"     # as vLLM (FastAPI) labels its streams
 MODERATION_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening",
                          "illicit", "illicit/violent", "self-harm", "self-harm/intent",
                          "self-harm/instructions", "sexual", "sexual/minors", "violence",
                          "violence/graphic")
+
+
+def compact(data) -> str:
+    """JSON as vLLM (FastAPI, pydantic) writes it: no spaces after separators."""
+    return json.dumps(data, separators=(",", ":"))
+
+
+def json_response(data, **kw) -> web.Response:
+    return web.json_response(data, dumps=compact, **kw)
 
 
 def random_uuid() -> str:
@@ -64,15 +74,24 @@ def answer_model(b, model) -> str:
 def vllm_error(message: str, status: int, err_type: str, param: str | None = None
                ) -> web.Response:
     """vLLM's ErrorResponse: {"error": {"message", "type", "param", "code": <status>}}."""
-    return web.json_response({"error": {"message": message, "type": err_type, "param": param,
+    return json_response({"error": {"message": message, "type": err_type, "param": param,
                                         "code": status}}, status=status)
 
 
 def model_not_found(b, model) -> web.Response | None:
-    """vLLM's _check_model: None (no model: the default one) or a served id passes."""
+    """vLLM's _check_model: None (no model: the default one) or a served id passes; the 404
+    names the base models (not the adapters) as the valid aliases."""
     if not strict(b) or model is None or model in served(b):
         return None
-    return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+    return vllm_error(f"The model `{model}` does not exist. Valid aliases: "
+                      f"{', '.join(base_models(b))}.", 404, "NotFoundError", "model")
+
+
+def validation_error(field: str, kind: str, msg: str, value) -> web.Response:
+    """vLLM's answer to a body that fails its request model (FastAPI's validation, as
+    vllm/entrypoints/serve/exception_handling/handlers/validation.py words it)."""
+    detail = {"type": kind, "loc": f"body.{field}", "msg": msg, "input": value}
+    return vllm_error(f"1 validation error:\n  {detail}", 400, "Bad Request", f"body.{field}")
 
 
 async def paced_tokens(b, request: web.Request):
@@ -95,7 +114,7 @@ def was_reset(request: web.Request) -> bool:
 
 def pooling_answer(prefix: str, b, body: dict, data: list, tokens: int) -> web.Response:
     """vLLM's envelope of an embedding or score answer (id, list, created, model, usage)."""
-    return web.json_response({
+    return json_response({
         "id": f"{prefix}-{random_uuid()}", "object": "list", "created": int(time.time()),
         "model": answer_model(b, body.get("model")), "data": data,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
@@ -155,8 +174,7 @@ def _relevance(query: str, doc: str) -> float:
 
 def _sse(event: dict) -> bytes:
     """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events)."""
-    return (f"event: {event['type']}\ndata: ".encode()
-            + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+    return f"event: {event['type']}\ndata: {compact(event)}\n\n".encode()
 
 
 class _Replayed:
@@ -263,13 +281,13 @@ class Surface:
             task = asyncio.get_running_loop().create_task(self._generate(b, resp, item_id, prompt))
             self._background[rid] = task
             task.add_done_callback(lambda _t: self._background.pop(rid, None))
-            return web.json_response(resp)
+            return json_response(resp)
         self.running += 1
         try:
             if body.get("stream"):
                 return await self._stream_response(request, b, resp, item_id, prompt)
             await self._generate(b, resp, item_id, prompt)
-            return web.json_response(resp)
+            return json_response(resp)
         except asyncio.CancelledError:
             self.aborted += 1
             raise
@@ -286,8 +304,7 @@ class Surface:
     async def _stream_response(self, request, b, resp: dict, item_id: str,
                                prompt: int) -> web.StreamResponse:
         """vLLM's simple (non-harmony) event sequence, numbered by `sequence_number`."""
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                          "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
         await out.prepare(request)
         seq = iter(range(1 << 30))
 
@@ -312,8 +329,8 @@ class Surface:
         await send({"content_index": 0, "item_id": item_id, "logprobs": [], "output_index": 0,
                     "text": text, "type": "response.output_text.done"})
         await send({"content_index": 0, "item_id": item_id, "output_index": 0,
-                    "part": {"annotations": [], "text": text, "type": "output_text"},
-                    "type": "response.content_part.done"})
+                    "part": {"annotations": [], "text": text, "type": "output_text",
+                             "logprobs": None}, "type": "response.content_part.done"})
         await send({"item": _message(item_id, text), "output_index": 0,
                     "type": "response.output_item.done"})
         await send({"response": resp, "type": "response.completed"})
@@ -326,14 +343,12 @@ class Surface:
         self._count_connection(request)
         rid = request.match_info["response_id"]
         self._record(request, None, self.behaviour)
-        if not rid.startswith("resp"):
-            return rid, _invalid_response_id(rid)
         resp = self.responses.get(rid)
         return rid, resp if resp is not None else _response_not_found(rid)
 
     async def retrieve_response(self, request: web.Request) -> web.Response:
         _, resp = self._stored_response(request)
-        return resp if isinstance(resp, web.Response) else web.json_response(resp)
+        return resp if isinstance(resp, web.Response) else json_response(resp)
 
     async def cancel_response(self, request: web.Request) -> web.Response:
         rid, resp = self._stored_response(request)
@@ -346,7 +361,7 @@ class Surface:
         task = self._background.pop(rid, None)
         if task is not None:
             task.cancel()
-        return web.json_response(resp)
+        return json_response(resp)
 
     # --- scoring -----------------------------------------------------------------------------
     async def rerank(self, request: web.Request) -> web.Response:
@@ -364,7 +379,7 @@ class Surface:
         top_n = body.get("top_n") or 0
         if top_n > 0:
             results = results[:top_n]
-        return web.json_response({
+        return json_response({
             "id": f"rerank-{random_uuid()}", "model": answer_model(b, body.get("model")),
             "usage": {"total_tokens": sum(_tokens_of(query + d) for d in docs)},
             "results": results})
@@ -403,7 +418,7 @@ class Surface:
         tokens = list(text.encode())
         strs = [bytes([t]).decode("latin-1") for t in tokens] if body.get(
             "return_token_strs") else None
-        return web.json_response({"count": len(tokens), "max_model_len": MAX_MODEL_LEN,
+        return json_response({"count": len(tokens), "max_model_len": MAX_MODEL_LEN,
                                   "tokens": tokens, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -411,11 +426,15 @@ class Surface:
         if body is None:
             return b
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and 0 <= t < 256 for t in tokens):
-            return vllm_error("'tokens' must be a list of token ids", 400, "BadRequestError",
-                              "tokens")
-        return web.json_response({"prompt": bytes(tokens).decode("utf-8", "replace")})
+        if not isinstance(tokens, list):
+            return validation_error("tokens", "list_type", "Input should be a valid list", tokens)
+        for i, t in enumerate(tokens):
+            if not isinstance(t, int) or isinstance(t, bool):
+                return validation_error(f"tokens.{i}", "int_type",
+                                        "Input should be a valid integer", t)
+        # ids outside the vocabulary decode to nothing, as vLLM's tokenizer skips them
+        return json_response({"prompt": bytes(t for t in tokens if 0 <= t < 256).decode(
+            "utf-8", "replace")})
 
     # --- moderations (OpenAI's shape) ----------------------------------------------------------
     async def moderations(self, request: web.Request) -> web.Response:
@@ -431,7 +450,7 @@ class Surface:
                 "category_scores": {c: 0.9 if hit and c == "violence" else 0.0001
                                     for c in MODERATION_CATEGORIES},
                 "category_applied_input_types": {c: ["text"] for c in MODERATION_CATEGORIES}})
-        return web.json_response({"id": f"modr-{random_uuid()}",
+        return json_response({"id": f"modr-{random_uuid()}",
                                   "model": answer_model(b, body.get("model")),
                                   "results": results})
 
@@ -477,14 +496,13 @@ class Surface:
         if form.get("response_format") == "text":
             return web.Response(text=text)
         if request.path.endswith("translations"):
-            return web.json_response({"text": text})
-        return web.json_response({"text": text, "usage": {"type": "duration",
+            return json_response({"text": text})
+        return json_response({"text": text, "usage": {"type": "duration",
                                                           "seconds": seconds}})
 
     async def _stream_audio(self, request, b, model: str, form: dict) -> web.StreamResponse:
         """vLLM's speech-to-text stream: transcription.chunk deltas, then [DONE]."""
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                          "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
         await out.prepare(request)
         rid, created = f"trsc-{random_uuid()}", int(time.time())
         kind = "translation" if request.path.endswith("translations") else "transcription"
@@ -494,14 +512,14 @@ class Surface:
                      "choices": [{"delta": {"content": f"tok{i} "},
                                   "finish_reason": "length" if last else None,
                                   "stop_reason": None}]}
-            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await out.write(b"data: " + compact(chunk).encode() + b"\n\n")
         if was_reset(request):
             return out
         if form.get("stream_include_usage", "").lower() == "true":
             usage = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
                      "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": b.tokens,
                                               "total_tokens": 1 + b.tokens}}
-            await out.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+            await out.write(b"data: " + compact(usage).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -528,16 +546,15 @@ class Surface:
                 "cached_tokens": 0, "e2e_latency": round(time.monotonic() - started, 6)}}
         if not body.get("stream"):
             await asyncio.sleep(b.first_delay + b.gap * max(b.tokens - 1, 0))
-            return web.json_response(answer(b.tokens, True))
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                          "Cache-Control": "no-cache"})
+            return json_response(answer(b.tokens, True))
+        out = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
         await out.prepare(request)
         if b.first_delay:
             await asyncio.sleep(b.first_delay)
         for i in range(1, b.tokens + 1):
             if i > 1 and b.gap:
                 await asyncio.sleep(b.gap)
-            await out.write(b"data: " + json.dumps(answer(i, i == b.tokens)).encode()
+            await out.write(b"data: " + compact(answer(i, i == b.tokens)).encode()
                             + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
@@ -564,7 +581,8 @@ def _response(rid: str, body: dict, model: str, status: str, output: list) -> di
             "model": model, "object": "response", "output": output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": body.get("temperature", 1.0), "tool_choice":
-            body.get("tool_choice", "auto"), "tools": body.get("tools", []),
+            body.get("tool_choice", "auto" if body.get("tools") else "none"),
+            "tools": body.get("tools", []),
             "top_p": body.get("top_p", 1.0), "background": bool(body.get("background")),
             "max_output_tokens": body.get("max_output_tokens") or MAX_MODEL_LEN,
             "max_tool_calls": body.get("max_tool_calls"),
@@ -575,9 +593,15 @@ def _response(rid: str, body: dict, model: str, status: str, output: list) -> di
 
 
 def _finish(resp: dict, item_id: str, text: str, prompt: int, tokens: int) -> None:
+    """The response as it ends: "incomplete" when `max_output_tokens` cut it short (as vLLM
+    reports a generation that stopped at its length limit), else "completed"."""
     if resp["status"] == "cancelled":
         return
-    resp.update(status="completed", output=[_message(item_id, text)], usage={
+    if tokens >= resp["max_output_tokens"]:
+        resp.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+    else:
+        resp["status"] = "completed"
+    resp.update(output=[_message(item_id, text)], usage={
         "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + tokens})
@@ -587,8 +611,4 @@ def _response_not_found(rid: str) -> web.Response:
     return vllm_error(f"Response with id '{rid}' not found.", 404, "invalid_request_error",
                       "response_id")
 
-
-def _invalid_response_id(rid: str) -> web.Response:
-    return vllm_error(f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'.",
-                      400, "invalid_request_error", "response_id")
 

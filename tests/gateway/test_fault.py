@@ -89,9 +89,9 @@ async def test_killed_mid_stream_ends_with_an_sse_error_and_is_not_retried(make_
         status, events, headers = await post(
             client, gw.url, stream=True, x_standin={"fail": "reset_after", "fail_after": 3})
         assert status == 200 and headers["x-prefixgate-upstream"] == "a"
-        assert [e["choices"][0]["delta"]["content"] for e in events[:3]] == [
+        assert [e["choices"][0]["delta"]["content"] for e in events[1:4]] == [   # after the role
             "tok0 ", "tok1 ", "tok2 "]
-        assert len(events) == 4 and events[3]["error"]["code"] == "upstream_error"
+        assert len(events) == 5 and events[4]["error"]["code"] == "upstream_error"
         assert "[DONE]" not in events
         assert len(b.requests) == 0               # bytes were sent: never retried elsewhere
         for _ in range(4):
@@ -193,8 +193,8 @@ async def test_stall_mid_stream_ends_with_an_sse_error(make_standin, make_gatewa
     gw = await make_gateway({"upstreams": [{"url": up.url, "timeouts": {"idle": 0.3}}]})
     async with aiohttp.ClientSession() as client:
         status, events, _ = await post(client, gw.url, stream=True)
-        assert status == 200 and len(events) == 2
-        assert events[0]["choices"][0]["delta"]["content"] == "tok0 "
-        assert "idle timeout" in events[1]["error"]["message"]
+        assert status == 200 and len(events) == 3                # the role, tok0, the error
+        assert events[1]["choices"][0]["delta"]["content"] == "tok0 "
+        assert "idle timeout" in events[2]["error"]["message"]
         status, events, _ = await post(client, gw.url, stream=True, x_standin={"gap": 0})
         assert status == 200 and events[-1] == "[DONE]"

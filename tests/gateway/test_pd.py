@@ -114,10 +114,10 @@ async def test_vllm_legs_carry_what_vllm_needs_and_the_stream_is_relayed(start, 
             assert r.headers["x-prefixgate-upstream"] == "d0"
             assert r.headers["x-prefixgate-prefill-upstream"] == "p0"
             events = [event_json(e) for _, e in await read_events(r)]
-    # the decode's own stream, event for event: four tokens, the usage chunk, [DONE]
-    assert [e["choices"][0]["delta"].get("content") for e in events[:4]] == [
-        "tok0 ", "tok1 ", "tok2 ", "tok3 "]
-    assert events[4]["usage"]["completion_tokens"] == 4 and events[-1] == "[DONE]"
+    # the decode's own stream, event for event: the role, four tokens, the usage chunk, [DONE]
+    assert [e["choices"][0]["delta"].get("content") for e in events[:5]] == [
+        "", "tok0 ", "tok1 ", "tok2 ", "tok3 "]
+    assert events[5]["usage"]["completion_tokens"] == 4 and events[-1] == "[DONE]"
 
     (first,), (second,) = completions(p), completions(d)
     sent = first["json"]

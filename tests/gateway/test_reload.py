@@ -26,7 +26,7 @@ async def stream(client, url, **standin):
 
 def contents(events) -> list[str]:
     return [e["choices"][0]["delta"].get("content") for e in events
-            if isinstance(e, dict) and "choices" in e and e["choices"][0]["delta"]]
+            if isinstance(e, dict) and "choices" in e and e["choices"][0]["delta"].get("content")]
 
 
 async def test_reload_swaps_upstreams_and_plugins_without_dropping_streams(make_standin,

@@ -36,7 +36,8 @@ async def test_server_and_client_spans_continue_the_callers_trace(make_gateway, 
     up = await make_standin(tokens=3)
     gw = await make_gateway(traced(up.url, receiver.url))
     async with aiohttp.ClientSession() as client:
-        body = {**CHAT, "stream": True, "max_tokens": 7}
+        body = {**CHAT, "stream": True, "max_tokens": 7,
+                "stream_options": {"include_usage": True}}      # else vLLM sends no usage
         async with client.post(gw.url + "/v1/chat/completions", json=body, headers={
                 "traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01", "tracestate": "vendor=1",
                 "X-Request-Id": "traced-1"}) as r:

@@ -5,22 +5,66 @@ run past its timeout), and when it cannot be installed or started the tests fail
 reason: they are never skipped."""
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
-from prefixgate.proxy.testing.real_vllm import vllm_servers
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prefixgate.proxy.testing.real_vllm import prepare_model, vllm_servers
 
 # what the shared servers are started with (tests rely on these)
 KV_BLOCKS = 48              # 6,144 tokens (blocks of 128) each: eviction is cheap to cause
 MAX_MODEL_LEN = 4096
 SERVED_NAME = "smollm2"
+LORA_NAME = "smollm2-lora"  # a LoRA adapter both servers load at start-up (--lora-modules)
+LORA_RANK = 8
+
+
+def make_lora_adapter(out: Path, model_dir: Path, rank: int = LORA_RANK) -> Path:
+    """A PEFT-layout LoRA adapter for the model in `model_dir`: small random A and B matrices
+    for every layer's q_proj and v_proj (adapter_config.json + adapter_model.safetensors)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    widths = {"q_proj": cfg["num_attention_heads"] * head_dim,
+              "v_proj": cfg["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, width in widths.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{name}.lora_A.weight"] = 0.01 * torch.randn(
+                rank, cfg["hidden_size"], generator=generator)
+            weights[f"{name}.lora_B.weight"] = 0.01 * torch.randn(width, rank,
+                                                                  generator=generator)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": list(widths),
+        "base_model_name_or_path": str(model_dir), "fan_in_fan_out": False,
+        "inference_mode": True}))
+    return out
 
 
 @pytest.fixture(scope="session")
-def vllm_pair(tmp_path_factory):
+def lora_adapter(tmp_path_factory) -> Path:
+    return make_lora_adapter(tmp_path_factory.mktemp("lora"), prepare_model())
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory, lora_adapter):
     """Two vLLM servers on SmolLM2 (fp32, prefix caching, KV events over ZMQ, cached tokens in
-    usage), each bound to a core of its own."""
+    usage, the LoRA adapter `LORA_NAME`, the Responses API's store, the render endpoints,
+    NixlConnector for P/D: either can serve either leg), each bound to a core of its own."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs, args=[
+    # vLLM keeps no responses without the store switch, so previous_response_id would fail
+    with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs, nixl=True,
+                      env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, args=[
             "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-gpu-blocks-override", str(KV_BLOCKS)]) as servers:
+            "--num-gpu-blocks-override", str(KV_BLOCKS),
+            "--enable-lora", "--max-lora-rank", str(LORA_RANK),
+            "--lora-modules", f"{LORA_NAME}={lora_adapter}",
+            "--enable-scale-out"]) as servers:
         yield servers
