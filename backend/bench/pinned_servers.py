@@ -1,0 +1,179 @@
+"""The two engines of the vLLM comparison (bench/vs_vllm.py) as servers on loopback, each a
+process tree pinned to the same core, and what such a tree holds in memory.
+
+Ours: `prefixgate backend` under `taskset`, torch on one thread (OMP_NUM_THREADS). vLLM: the
+CPU build's server (proxy/testing/real_vllm.py) with its OpenMP thread bound to the core; its
+API-server process and engine-core child would float over every core otherwise, so once it is
+ready every thread of its tree is pinned too: both engines then do all their work (HTTP,
+tokenizing, scheduling, the model) on that one core.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixgate.common.runtime import free_port
+from prefixgate.proxy.testing.real_vllm import vllm_servers
+
+SERVED_NAME = "smollm2"
+READY_TIMEOUT_S = 900            # a loaded 2-core machine starts vLLM in minutes
+
+
+@dataclass
+class Settings:
+    """What both engines are started with, alike."""
+
+    model: str
+    dtype: str                      # float32 | bfloat16
+    core: int                       # the one CPU both run on
+    max_num_batched_tokens: int     # the chunked-prefill step budget
+    max_model_len: int
+    kvcache_gib: int
+    log_dir: Path | None = None
+
+
+@dataclass
+class Running:
+    name: str
+    url: str
+    pid: int                        # the root of its process tree
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine at {url} exited with {proc.returncode}")
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"the engine at {url} was not ready after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def ours(s: Settings):
+    """The bundled engine in a process of its own, pinned to `s.core` from its start."""
+    port = free_port()
+    cmd = ["taskset", "-c", str(s.core), sys.executable, "-m", "prefixgate.backend",
+           "--model", s.model, "--dtype", s.dtype, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVED_NAME, "--kv-cache-memory", f"{s.kvcache_gib}GiB",
+           "--max-model-len", str(s.max_model_len),
+           "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    log = open(s.log_dir / "ours.log", "wb") if s.log_dir else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    finally:
+        if s.log_dir:
+            log.close()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        yield Running("ours", url, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def vllm(s: Settings):
+    """vLLM's CPU server on the same model file (exported to a Hugging Face directory), its
+    whole process tree pinned to `s.core`."""
+    args = ["--max-model-len", str(s.max_model_len),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+    with vllm_servers(1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
+                      kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
+                      cores=[str(s.core)], timeout=READY_TIMEOUT_S) as (server,):
+        pin_tree(server.proc.pid, s.core)
+        yield Running("vllm", server.url, server.proc.pid)
+
+
+@contextlib.contextmanager
+def profiled(pid: int, out: Path | None):
+    """py-spy sampling the process tree under `pid` while the block runs (nothing when `out`
+    is None): collapsed stacks, one line per stack with its sample count, written to `out`.
+    Non-blocking, so the engine is not paused to be sampled."""
+    if out is None:
+        yield
+        return
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses",
+                            "--nonblocking", "--rate", "50", "--format", "raw", "--output",
+                            str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)          # py-spy writes its file as it stops
+        try:
+            spy.wait(60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            # the command name, in parentheses, may hold spaces: the fields after it count
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def pin_tree(root: int, core: int) -> None:
+    """Every thread of every process under `root` to `core` (affinity is per thread)."""
+    for pid in tree_pids(root):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), {core})
+
+
+def _status_kib(pid: int, key: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _pss_kib(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def tree_memory(root: int) -> dict:
+    """MiB held by the process tree: RSS summed (pages shared between its processes counted
+    in each), PSS summed (shared pages split: the tree's real share), and the processes'
+    peak RSS (VmHWM) summed."""
+    pids = tree_pids(root)
+    mib = 1024
+    return {"processes": len(pids),
+            "rss_mib": sum(_status_kib(p, "VmRSS") for p in pids) / mib,
+            "pss_mib": sum(_pss_kib(p) for p in pids) / mib,
+            "peak_rss_mib": sum(_status_kib(p, "VmHWM") for p in pids) / mib}
