@@ -50,6 +50,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -236,7 +237,8 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                          env=environ, start_new_session=True,
-                                         preexec_fn=_die_with_parent,
+                                         preexec_fn=_die_with_parent if threading.current_thread()
+                                         is threading.main_thread() else None,
                                          cwd=venv_dir())   # not a checkout: see _clean_env
         finally:
             if self.log_path:
@@ -285,7 +287,9 @@ class VLLMServer:
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the process that started it dies (a test run
     killed by its timeout), so no server outlives its test run spinning on a core; vLLM's API
-    server then stops its engine core itself."""
+    server then stops its engine core itself. Linux sends it when the *thread* that started
+    the child ends, so it is asked for only from the main thread (a server started from a
+    worker thread, `asyncio.to_thread`, would be killed as soon as the pool let it go)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 

@@ -57,7 +57,8 @@ def lora_adapter(tmp_path_factory) -> Path:
 def vllm_pair(tmp_path_factory, lora_adapter):
     """Two vLLM servers on SmolLM2 (fp32, prefix caching, KV events over ZMQ, cached tokens in
     usage, the LoRA adapter `LORA_NAME`, the Responses API's store, the render endpoints,
-    NixlConnector for P/D: either can serve either leg), each bound to a core of its own."""
+    NixlConnector for P/D: either can serve either leg, a tool parser), each bound to a core
+    of its own."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     # vLLM keeps no responses without the store switch, so previous_response_id would fail
     with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs, nixl=True,
@@ -66,5 +67,7 @@ def vllm_pair(tmp_path_factory, lora_adapter):
             "--num-gpu-blocks-override", str(KV_BLOCKS),
             "--enable-lora", "--max-lora-rank", str(LORA_RANK),
             "--lora-modules", f"{LORA_NAME}={lora_adapter}",
-            "--enable-scale-out"]) as servers:
+            "--enable-scale-out",
+            # the seed benchmark's requests carry tools (tests/vllm/test_bench_seed_vllm.py)
+            "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]) as servers:
         yield servers
