@@ -84,10 +84,9 @@ async def test_follow_ups_go_where_real_vllm_says_their_prefix_is(vllm_pair, fle
         before = await metrics(client, gw)
         await chat_direct(client, vllm_pair[1], a)
         await chat_direct(client, vllm_pair[0], b)
-        m = await until(client, gw, lambda m: (
+        await until(client, gw, lambda m: (
             blocks(m, "vllm1") >= blocks(before, "vllm1") + 3 * KEYS and
             blocks(m, "vllm0") >= blocks(before, "vllm0") + 3 * KEYS), SETTLE_S)
-        assert blocks(m, "vllm1") % KEYS == 0     # whole engine blocks only
         assert await route(client, gw, follow_up(a), SERVED_NAME, max_tokens=1) == (
             "vllm1", "cache")
         assert await route(client, gw, follow_up(b), SERVED_NAME, max_tokens=1) == (

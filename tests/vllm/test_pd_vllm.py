@@ -33,6 +33,14 @@ async def external_hits(client, server) -> float:
                if s.name == "vllm:external_prefix_cache_hits_total")
 
 
+async def plain_answer(client, server, topic: str) -> tuple[dict, str]:
+    """A greedy chat request about `topic` and its answer without P/D (from `server`)."""
+    body = {"model": SERVED_NAME, "messages": prompt(topic), "max_tokens": 12,
+            "temperature": 0}
+    async with client.post(server.url + "/v1/chat/completions", json=body) as r:
+        return body, (await r.json())["choices"][0]["message"]["content"]
+
+
 @pytest.fixture
 async def pd_gateway(vllm_pair, make_gateway):
     prefill, decode = vllm_pair
@@ -44,11 +52,8 @@ async def pd_gateway(vllm_pair, make_gateway):
 
 async def test_the_decode_server_pulls_the_prompt_over_nixl(vllm_pair, pd_gateway):
     prefill, decode = vllm_pair
-    messages = prompt("the Loire valley")
-    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 12, "temperature": 0}
     async with aiohttp.ClientSession() as client:
-        async with client.post(prefill.url + "/v1/chat/completions", json=body) as r:
-            plain = (await r.json())["choices"][0]["message"]["content"]
+        body, plain = await plain_answer(client, prefill, "the Loire valley")
         before = await external_hits(client, decode)
         async with client.post(pd_gateway.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200, await r.text()
@@ -65,11 +70,8 @@ async def test_the_decode_server_pulls_the_prompt_over_nixl(vllm_pair, pd_gatewa
 
 async def test_a_streamed_pd_answer_is_the_plain_one(vllm_pair, pd_gateway):
     prefill, _ = vllm_pair
-    messages = prompt("Byzantium")
-    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 12, "temperature": 0}
     async with aiohttp.ClientSession() as client:
-        async with client.post(prefill.url + "/v1/chat/completions", json=body) as r:
-            plain = (await r.json())["choices"][0]["message"]["content"]
+        body, plain = await plain_answer(client, prefill, "Byzantium")
         async with client.post(pd_gateway.url + "/v1/chat/completions",
                                json={**body, "stream": True}) as r:
             assert r.status == 200 and r.headers["x-prefixgate-pd"] == "vllm"
