@@ -46,13 +46,19 @@ class Lengths:
         return len(text.split())
 
     def text(self, rng: random.Random, n: int) -> str:
-        """About `n` tokens of words; exactly `n` when the tokenizer round-trips its prefix."""
+        """About `n` tokens of words; exactly `n` with a tokenizer (a few draws at most)."""
         if n <= 0:
             return ""
         if self.tokenizer is None:
             return words(rng, n)
-        ids = self.tokenizer.encode(" " + words(rng, n + n // 2 + 8))[:n]
-        return self.tokenizer.decode(ids).strip()
+        for _ in range(16):
+            # decoding the first n ids can re-encode to n + 1: the first word loses its
+            # leading space and some words are two tokens without it ("army" = "arm" "y")
+            ids = self.tokenizer.encode(" " + words(rng, n + n // 2 + 8))[:n]
+            text = self.tokenizer.decode(ids).strip()
+            if self.count(text) == n:
+                break
+        return text
 
     def chat_overhead(self, tools: list | None = None) -> int:
         """Tokens around the text of a system + user message: the chat template's (when

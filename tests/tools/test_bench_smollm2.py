@@ -17,7 +17,7 @@ from prefixgate.common.runtime import free_port
 from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import mixed
 from prefixgate.proxy.bench import seed as bench_seed
-from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
+from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.tools.helpers import by_title, doctor, run_cli
 
@@ -66,6 +66,14 @@ async def test_bench_against_serve_counts_prompts_with_the_gguf_tokenizer(serve,
     # the engine counts the rendered chat prompt as the client built it, token for token
     assert [s["prompt_tokens"] for s in cell["samples"]] == [300, 300]
     assert cell["summary"]["errors"] == 0 and "model=smollm2" in stdout
+
+
+def test_exact_lengths_hold_for_every_draw():
+    # some words are two tokens without their leading space ("army" = "arm" "y"): a prompt
+    # starting with one once came to the engine one token long (CI, stop 35)
+    lengths = Lengths(load_tokenizer("smollm2"))
+    prompts = PromptSet(PromptSpec(300, shared=0.5, salt="ci"), lengths)
+    assert {prompts.measured_tokens(prompts.body(i)) for i in range(200)} == {300}
 
 
 async def test_doctor_against_serve_checks_smollm2_in_tokens(serve, tmp_path):
