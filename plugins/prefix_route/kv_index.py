@@ -12,7 +12,9 @@ block is keyed by its event's `token_ids` run through the gateway's own chain
 `prefix_route` computes for a prompt with those tokens. An engine block may hold several of
 the gateway's: its block size must be a multiple of `block_tokens` (vLLM's CPU backend caches
 128-token blocks, its GPU backends 16; the bundled engine 16), and each engine block stands
-for that many keys, added and removed together. Ignored and counted: a block size that is no
+for that many keys. Two engine blocks that share only a leading part (prompts that part
+mid-block) share those keys: each key keeps the engine blocks holding it, and goes when the
+last of them does. Ignored and counted: a block size that is no
 multiple; a run whose parent was never seen (its `BlockStored` comes first, or it is the
 root); blocks whose hash took more than their tokens (an adapter: `lora_id`/`lora_name`;
 `extra_keys` of images or a cache salt), whose KV the same tokens would not reproduce; groups
@@ -38,6 +40,7 @@ from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 
 MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # bits of the media a block is held in
 OTHER_MEDIUM = 4                          # a medium we do not know (disk, ...): still held
+ALL_MEDIA = ~0
 FULL_ATTENTION = "full_attention"         # vLLM's kv_cache_spec_kind of a whole-prefix cache
 
 
@@ -124,7 +127,8 @@ def _bit(medium: str | None) -> int:
 
 @dataclass
 class EngineBlocks:
-    """One engine's blocks: gateway key -> [media bits, engine hash], least recent first."""
+    """One engine's blocks: gateway key -> {engine block hash: media bits} of the engine
+    blocks holding it, least recently stored first."""
     keys: OrderedDict = field(default_factory=OrderedDict)
     key_of: dict = field(default_factory=dict)          # engine block hash -> its gateway keys
     stored: int = 0                                     # blocks indexed from BlockStored
@@ -153,8 +157,7 @@ class KVEventIndex:
             elif isinstance(event, Removed):
                 bit = _bit(event.medium)
                 for h in event.block_hashes:
-                    for key in engine.key_of.get(h, ()):
-                        self._drop(name, engine, key, bit)
+                    self._release(name, engine, h, bit)
             elif isinstance(event, Cleared):
                 self.clear(name)
                 engine = self.engines[name]
@@ -226,40 +229,43 @@ class KVEventIndex:
         # what is left of a prefix stays matchable from its head
         for i in reversed(range(n)):
             h, block_keys = ev.block_hashes[i], tuple(keys[i * per_block:(i + 1) * per_block])
+            if engine.key_of.get(h, block_keys) != block_keys:   # a hash reused for new tokens
+                self._release(name, engine, h, ALL_MEDIA)
             for key in reversed(block_keys):
                 self._hold(engine, key, h, bit, flag)
             engine.key_of[h] = block_keys
         engine.stored += n
         while len(engine.keys) > self.capacity:
-            oldest, (_, h) = engine.keys.popitem(last=False)
-            self._unhold(oldest, flag)
-            for key in engine.key_of.pop(h, ()):    # the rest of its engine block goes too
-                entry = engine.keys.get(key)
-                if entry is not None and entry[1] == h:
-                    del engine.keys[key]
-                    self._unhold(key, flag)
+            oldest = next(iter(engine.keys))
+            for h in list(engine.keys[oldest]):     # the rest of their engine blocks go too
+                self._release(name, engine, h, ALL_MEDIA)
 
     def _hold(self, engine: EngineBlocks, key: int, h, bit: int, flag: int) -> None:
-        entry = engine.keys.get(key)
-        if entry is None:
-            engine.keys[key] = [bit, h]
+        owners = engine.keys.get(key)
+        if owners is None:
+            engine.keys[key] = {h: bit}
             self._holders[key] = self._holders.get(key, 0) | flag
             return
-        entry[0] |= bit
-        if entry[1] != h:               # the same tokens, stored again under a new hash
-            engine.key_of.pop(entry[1], None)
-            entry[1] = h
+        owners[h] = owners.get(h, 0) | bit
         engine.keys.move_to_end(key)
 
-    def _drop(self, name: str, engine: EngineBlocks, key: int, bit: int) -> None:
-        entry = engine.keys.get(key)
-        if entry is None:
-            return
-        entry[0] &= ~bit
-        if not entry[0]:
-            del engine.keys[key]
-            engine.key_of.pop(entry[1], None)
-            self._unhold(key, 1 << self._bit[name])
+    def _release(self, name: str, engine: EngineBlocks, h, bits: int) -> None:
+        """Engine block `h` left the media `bits`; its keys go when no block holds them."""
+        held = False
+        for key in engine.key_of.get(h, ()):
+            owners = engine.keys.get(key)
+            if owners is None or h not in owners:
+                continue
+            owners[h] &= ~bits
+            if owners[h]:
+                held = True
+                continue
+            del owners[h]
+            if not owners:
+                del engine.keys[key]
+                self._unhold(key, 1 << self._bit[name])
+        if not held:
+            engine.key_of.pop(h, None)
 
     def _unhold(self, key: int, flag: int) -> None:
         mask = self._holders.get(key, 0) & ~flag

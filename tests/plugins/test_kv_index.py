@@ -100,6 +100,34 @@ def test_an_engine_block_of_several_gateway_blocks_is_held_and_removed_whole(lay
     assert idx.match(CHAIN) == {} and idx.size("a") == 2
 
 
+@pytest.mark.parametrize("first_removed", ["A", "B"])
+def test_engine_blocks_sharing_a_leading_part_share_keys_until_both_go(first_removed):
+    # two 8-token engine blocks under the same parent whose first 4 tokens agree: prompts that
+    # part mid-block. The shared key stays while either block holds it
+    a, b = TOKENS[:8], TOKENS[:4] + [7, 7, 7, 7]
+    idx = index_with("a", stored([b"A"], None, a, block_size=8),
+                     stored([b"B"], None, b, block_size=8))
+    chain_a, chain_b = block_hash_chain(a, BS), block_hash_chain(b, BS)
+    assert idx.match(chain_a) == {"a": 2} and idx.match(chain_b) == {"a": 2}
+    assert idx.size("a") == 3
+    gone, kept = (chain_a, chain_b) if first_removed == "A" else (chain_b, chain_a)
+    idx.apply("a", decode_batch(batch(["BlockRemoved", [first_removed.encode()], "GPU"])))
+    assert idx.match(kept) == {"a": 2} and idx.match(gone) == {"a": 1}
+    idx.apply("a", decode_batch(batch(["BlockRemoved", [b"A", b"B"], "GPU"])))
+    assert idx.match(kept) == {} and idx.size("a") == 0 and not idx.engines["a"].key_of
+
+
+def test_capacity_takes_every_engine_block_of_its_oldest_key():
+    idx = KVEventIndex(BS, capacity=4)          # 5 keys stored: A's and B's 3, C's 2
+    idx.apply("a", decode_batch(batch(stored([b"A"], None, TOKENS[:8], block_size=8),
+                                      stored([b"B"], None, TOKENS[:4] + [7] * 4, block_size=8),
+                                      stored([b"C"], None, [5] * 8, block_size=8))))
+    # A's tail key was the oldest: A goes whole; B keeps the key it shared with A
+    assert idx.size("a") == 4
+    assert idx.match(block_hash_chain(TOKENS[:8], BS)) == {"a": 1}
+    assert set(idx.engines["a"].key_of) == {b"B", b"C"}
+
+
 def test_capacity_takes_an_engine_block_whole():
     idx = KVEventIndex(BS, capacity=3)
     idx.apply("a", decode_batch(batch(stored([1, 2], None, TOKENS[:8] + [1] * 8, block_size=8))))
