@@ -15,16 +15,15 @@ where the prompt tokens came from (device cache, tier, computed), and the tier's
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
-import time
 
 import aiohttp
 import numpy
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.backend.bench.serving import THREADS_HELP, run_report_save
+from prefixgate.backend.bench.sse import completion_chunks
 from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
@@ -55,20 +54,12 @@ async def first_token(session, url: str, prompt: list[int]) -> tuple[float, int]
     """Seconds to the first streamed token, and the usage's cached_tokens."""
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
     first, cached = None, 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - t0
-            usage = chunk.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens", cached) or cached
+    async for seconds, chunk in completion_chunks(session, url, body):
+        if first is None and chunk.get("choices"):
+            first = seconds
+        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens", cached) or cached
     return first, cached
 
 

@@ -37,6 +37,7 @@ import time
 import aiohttp
 
 from prefixgate.backend.bench.flops import PrefillFlops
+from prefixgate.backend.bench.sse import completion_chunks
 from prefixgate.backend.bench.transformers_model import load_transformers
 from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
@@ -65,20 +66,13 @@ async def stream(session, url: str, prompt: list[int],
     last, and the completion tokens (from the usage chunk)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
     first = last = None
     tokens = 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                last = time.perf_counter() - t0
-                first = first or last
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    async for seconds, chunk in completion_chunks(session, url, body):
+        if chunk.get("choices"):
+            last = seconds
+            first = first or last
+        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     return first, last, tokens
 
 
