@@ -71,6 +71,7 @@ POLICIES = {
     "least_inflight": {"least_inflight": {}},
     "chwbl": {"prefix_route": {"policy": "chwbl"}},
     "cache_aware": {"prefix_route": {"policy": "cache_aware"}},
+    "predicted_ttft": {"prefix_route": {"policy": "predicted_ttft"}},
 }
 DEFAULT_POLICY = "cache_aware"      # SGLang Model Gateway's default --policy too
 
@@ -97,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", choices=list(POLICIES),
                        help="routing with --upstream or MODEL: round_robin, "
                             "least_inflight, chwbl (prefix_route: consistent hashing with "
-                            "bounded loads) or cache_aware (prefix_route: the prefix index, "
-                            f"like SGLang's router). Default with --upstream: {DEFAULT_POLICY}, "
+                            "bounded loads), cache_aware (prefix_route: the prefix index, "
+                            "like SGLang's router) or predicted_ttft (prefix_route: the least "
+                            "predicted time to first token, speeds learned online). "
+                            f"Default with --upstream: {DEFAULT_POLICY}, "
                             "as SGLang Model Gateway's; with MODEL: none added")
     serve.add_argument("--normalize", action="store_true",
                        help="with --upstream or MODEL: put the normalize plugin first "

@@ -100,10 +100,20 @@ class LoadPoller:
         return max(0.0, s.running + s.waiting + up.inflight - s.inflight_at_poll)
 
     def kv_usage(self, up) -> float | None:
+        s = self._fresh(up)
+        return None if s is None else s.kv_usage
+
+    def waiting(self, up) -> float | None:
+        """The requests the backend said wait for a prefill (None: no fresh sample); the
+        predicted_ttft policy counts the ones beyond this gateway's own as prefill work."""
+        s = self._fresh(up)
+        return None if s is None else s.waiting
+
+    def _fresh(self, up) -> Sample | None:
         s = self.samples.get(up.name)
         if s is None or time.monotonic() - s.t > self.stale_after_s:
             return None
-        return s.kv_usage
+        return s
 
     async def poll_once(self) -> None:
         ups = list(self.gw.upstreams)

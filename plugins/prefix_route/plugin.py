@@ -9,6 +9,9 @@ as `least_inflight`. The plugin reads its settings and builds its pieces:
     chwbl.py        `policy: chwbl`, consistent hashing with bounded loads (hash_ring.py)
     cache_aware.py  `policy: cache_aware`, the longest cached prefix among upstreams not
                     overloaded, matched in the index `index:` chooses (indexes.py)
+    predicted_ttft.py  `policy: predicted_ttft`, the least predicted time to first token,
+                    from the same index, the prefill work queued per upstream
+                    (prefill_queue.py) and each upstream's learned speed (ttft_model.py)
     llamacpp.py     `llamacpp_slots`: a llama.cpp slot per prefix family
     load_poll.py    `poll_metrics_s`: the backends' own load, which every scorer reads
                     through `Upstream.load` (all gateway replicas see it alike)
@@ -31,6 +34,7 @@ from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.kv_subscriber import KVEventFeeds
 from prefixgate.plugins.prefix_route.llamacpp import SlotPinning
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
+from prefixgate.plugins.prefix_route.predicted_ttft import PredictedTTFT
 from prefixgate.plugins.prefix_route.scorer import PrefixScorer
 from prefixgate.proxy.plugin import Need, Plugin
 
@@ -44,8 +48,9 @@ def _fraction(v):
 
 
 SPEC = {
-    "policy": Key(str, "chwbl", one_of("chwbl", "cache_aware")),
-    "index": Key(str, "approximate", one_of("approximate", "kv_events")),   # cache_aware's
+    "policy": Key(str, "chwbl", one_of("chwbl", "cache_aware", "predicted_ttft")),
+    # cache_aware's and predicted_ttft's
+    "index": Key(str, "approximate", one_of("approximate", "kv_events")),
     "kv_events_probe_s": Key((int, float), 2.0, positive),   # a silent feed is probed this often
     "kv_events_timeout_s": Key((int, float), 1.0, positive),  # unanswered this long: not live
     "block_tokens": Key(int, 16, positive),       # vLLM's default KV block size
@@ -62,6 +67,13 @@ SPEC = {
     "kv_saturation": Key((int, float), 0.98, _fraction),     # polled KV usage that means "full"
     "dynamic_cut": Key(str, "auto", one_of("auto", "always", "never")),
     "llamacpp_slots": Key(int, 0, non_negative),  # llama.cpp server: slots per server (0: off)
+    # predicted_ttft: the home keeps a request predicted this much slower than the best
+    "tie_ms": Key((int, float), 20.0, non_negative),
+    "tie_fraction": Key((int, float), 0.5, non_negative),
+    # predicted_ttft: a new upstream's speed before it answered (unset: the fleet's fit)
+    "prior_tokens_per_second": Key((int, float, type(None)), None, positive),
+    "prior_overhead_ms": Key((int, float, type(None)), None, non_negative),
+    "fit_half_life_s": Key((int, float), 15.0, positive),   # how fast old answers fade
     "weight": Key((int, float), 1.0, positive),
 }
 
@@ -84,13 +96,14 @@ class PrefixRoute(Plugin):
         self.poller = LoadPoller(gw, c["poll_metrics_s"]) if c["poll_metrics_s"] else None
         self.feeds = self._kv_event_feeds(gw) if c["index"] == "kv_events" else None
         self.needs = (TOKEN_KEYS,) if self.feeds is not None else ()
-        # what this gateway sent where (cache_aware only): fed on the first byte
+        # what this gateway sent where (not for chwbl): fed on the first byte
         self.approximate = (ApproximateIndex(c["index_capacity"])
-                            if self.policy == "cache_aware" else None)
+                            if self.policy != "chwbl" else None)
         self.scorer = self._scorer(gw)
+        self.predicted = self.scorer if isinstance(self.scorer, PredictedTTFT) else None
         self.slots = SlotPinning(self.keying, c["llamacpp_slots"]) if c["llamacpp_slots"] else None
         self.blocks = Counter("prefixgate_route_prefix_blocks", "Prompt blocks routed (total) "
-                              "and, for cache_aware, found in the chosen upstream's index "
+                              "and, but for chwbl, found in the chosen upstream's index "
                               "(matched)", ["kind"], registry=gw.registry)
         self._total_blocks = self.blocks.labels("total")       # children bound once: labels()
         self._matched_blocks = self.blocks.labels("matched")   # costs more than the inc()
@@ -98,8 +111,9 @@ class PrefixRoute(Plugin):
 
     def _kv_event_feeds(self, gw) -> KVEventFeeds:
         c = self.cfg
-        if self.policy != "cache_aware":
-            raise ConfigError("index", "kv_events needs policy: cache_aware (chwbl keeps no index)")
+        if self.policy == "chwbl":
+            raise ConfigError("index", "kv_events needs policy: cache_aware or predicted_ttft "
+                                       "(chwbl keeps no index)")
         return KVEventFeeds(gw, c["block_tokens"], c["index_capacity"], c["kv_events_probe_s"],
                             c["kv_events_timeout_s"])
 
@@ -108,6 +122,8 @@ class PrefixRoute(Plugin):
             return Chwbl(gw, self.keying, self.cfg)
         index = (self.approximate if self.feeds is None else
                  EngineIndex(self.approximate, self.feeds))
+        if self.policy == "predicted_ttft":
+            return PredictedTTFT(gw, self.keying, self.cfg, index)
         return CacheAware(gw, self.keying, self.cfg, index)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -139,6 +155,13 @@ class PrefixRoute(Plugin):
         request's prompt was computed by its prefill upstream (proxy/pd.py).
         """
         self.record(ctx)
+        if self.predicted is not None:
+            self.predicted.answered(ctx)
+
+    def on_finish(self, ctx, error) -> None:
+        """predicted_ttft: off its upstream's queue if it failed, else learn from it."""
+        if self.predicted is not None:
+            self.predicted.finished(ctx, error)
 
     def keys(self, ctx) -> Keys:
         """The request's prefix keys, computed once per request."""
@@ -176,10 +199,12 @@ class _RouteCollector:
         yield load
         if p.approximate is not None:
             size = GaugeMetricFamily("prefixgate_route_index_blocks", "Prefix blocks the "
-                                     "cache_aware index remembers per upstream (all models)",
+                                     "approximate index remembers per upstream (all models)",
                                      labels=["upstream"])
             for u in p.gw.upstreams:
                 size.add_metric([u.name], p.approximate.size(u.name))
             yield size
         if p.feeds is not None:
             yield from p.feeds.collect()
+        if p.predicted is not None:
+            yield from p.predicted.model.collect()

@@ -3,10 +3,11 @@
 Each scorer reads the request's prefix keys (`keys.py`) and the upstreams' load
 (`Upstream.load`: in flight + waiting, or the backends' polled counts with `poll_metrics_s`);
 an upstream whose polled KV-cache usage reaches `kv_saturation` is saturated and avoided. A
-request without a key goes to the least loaded upstream. Every decision is counted once in
-`prefixgate_route_decisions{policy, outcome}` and told to the client in the
-`x-prefixgate-route` header. The scorer also follows the upstream set (discovery, reloads):
-a policy's state about upstreams is rebuilt when the set changes.
+request without a key goes to the least loaded upstream (predicted_ttft: the one predicted
+to answer first). Every decision is counted once in `prefixgate_route_decisions{policy,
+outcome}` and told to the client in the `x-prefixgate-route` header (predicted_ttft adds its
+predictions). The scorer also follows the upstream set (discovery, reloads): a policy's
+state about upstreams is rebuilt when the set changes.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class PrefixScorer:
         self.kv_saturation = kv_saturation
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
-                                 "balance, nokey)", ["policy", "outcome"], registry=gw.registry)
+                                 "balance, nokey; predicted_ttft: home, spill, new, nokey)",
+                                 ["policy", "outcome"], registry=gw.registry)
         self._outcomes: dict[str, object] = {}     # outcome -> its counter child, bound once
         self._members = None          # the gw.upstreams list the policy's state was built from
 
@@ -35,8 +37,12 @@ class PrefixScorer:
             self.members_changed(members)
         keys = self.keys.of(ctx)
         if not keys.chain and keys.short is None:
-            return self.least_loaded(ctx, upstreams, "nokey")
+            return self.no_key(ctx, upstreams)
         return self.choose(ctx, keys, upstreams)
+
+    def no_key(self, ctx, upstreams) -> dict:
+        """The scores for a request without a key (default: the least loaded upstream)."""
+        return self.least_loaded(ctx, upstreams, "nokey")
 
     def choose(self, ctx, keys: Keys, upstreams) -> dict:
         """The policy's scores for a request that has a key."""
@@ -74,4 +80,6 @@ class PrefixScorer:
             header += f"; key={info['key']}; home={info['home']}"
         if "best_match" in info:
             header += f"; matched={info['best_match']}"
+        if "predicted_ttft_ms" in info:     # the chosen upstream's, then the runner-up's
+            header += f"; predicted_ttft_ms={info['predicted_ttft_ms']}"
         ctx.response_headers["x-prefixgate-route"] = header

@@ -4,12 +4,16 @@ Each simulated backend keeps its prefix cache in the engine's own `BlockManager`
 blocks, chained hashes, LRU reuse of freed blocks) and serves with a simple cost model:
 
     prefill   one at a time per backend, FIFO: overhead + uncached prompt tokens / prefill rate
+              (× the backend's speed: `speeds`, e.g. two of eight at 0.5, for mixed hardware)
     decode    output tokens × (TPOT + a little per running sequence), concurrent
     limits    max running sequences, and KV blocks (a request waits until its blocks fit)
 
 Routing is a real `Gateway` built from a config with the chosen plugin (`round_robin`,
-`least_inflight`, `prefix_route` chwbl / cache_aware): the same `pick()` and scorer classes
-the server runs, with in-flight counts kept as the simulated requests start and finish.
+`least_inflight`, `prefix_route` chwbl / cache_aware / predicted_ttft): the same `pick()` and
+scorer classes the server runs, with in-flight counts kept as the simulated requests start
+and finish, and the plugins' hooks called as the gateway calls them: on_first_byte when a
+prompt is computed, on_finish (with the answer's usage and its TTFT as a stream's) when the
+answer ends; predicted_ttft reads the simulated clock.
 Two more policies run the same cache_aware scorer with another index (`route_indexes.py`):
 `exact`, fed by the engines' KV events (`engine_events.py`), which reach every gateway
 replica `event_delay_s` after the engine changed its cache; and `oracle`, which asks the
@@ -42,6 +46,8 @@ import numpy as np
 
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.plugins.prefix_route.kv_index import decode_batch
+from prefixgate.plugins.prefix_route.plugin import PrefixRoute
+from prefixgate.plugins.prefix_route.predicted_ttft import STATE_KEY as PREDICTED
 from prefixgate.plugins.sim.engine_events import encode, record
 from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
 from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
@@ -49,11 +55,13 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
 
-POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware", "exact", "oracle")
+POLICIES = ("round_robin", "least_inflight", "chwbl", "cache_aware", "predicted_ttft", "exact",
+            "oracle")
 INDEXED = ("exact", "oracle")        # cache_aware's scorer with another index
 # an engine publishes a step's events as the step ends, and ZMQ carries them in well under a
 # millisecond: the gateway learns of a cached block about one engine step after it was stored
 EVENT_DELAY_S = 0.005
+WARM_REQUESTS = 50          # predicted_ttft: a backend's first answers, left out of its error
 PREFILLED, FINISHED, EVENTS = range(3)      # what a heap entry is
 
 
@@ -73,7 +81,7 @@ def plugins_for(policy: str, cost: CostModel, route: dict | None = None) -> list
         return [policy]
     if policy in INDEXED:
         policy = "cache_aware"
-    if policy not in ("chwbl", "cache_aware"):
+    if policy not in ("chwbl", "cache_aware", "predicted_ttft"):
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
     # the index remembers as many blocks as a backend's KV cache holds
     cfg = {"policy": policy, "dynamic_cut": "never", "index_capacity": cost.kv_blocks,
@@ -103,13 +111,15 @@ class SimSeq:
 
 
 class Backend:
-    def __init__(self, upstream, cost: CostModel, block_tokens: int):
+    def __init__(self, upstream, cost: CostModel, block_tokens: int, speed: float = 1.0):
         self.up = upstream
+        self.prefill_tokens_per_s = cost.prefill_tokens_per_s * speed
         self.bm = BlockManager(cost.kv_blocks, block_tokens)
         self.queue: deque[SimSeq] = deque()
         self.prefilling: SimSeq | None = None
         self.running = 0
         self.served = 0
+        self.answered = 0               # first bytes sent
         self.busy_s = 0.0
         self.kv_events = None           # the engine's KV event sink (exact policy only)
 
@@ -118,8 +128,12 @@ class FleetSim:
     def __init__(self, backends: int, policy: str, trace: TraceConfig,
                  cost: CostModel | None = None, route: dict | None = None, seed: int = 0,
                  replicas: int = 1, shared_load: bool = False, balancer: str = "turns",
-                 event_delay_s: float = EVENT_DELAY_S, measure_agreement: bool = True):
+                 event_delay_s: float = EVENT_DELAY_S, measure_agreement: bool = True,
+                 speeds: list[float] | None = None):
         self.cost = cost or CostModel()
+        speeds = speeds or [1.0] * backends
+        if len(speeds) != backends:
+            raise ValueError(f"{len(speeds)} speeds for {backends} backends")
         self.trace_cfg = trace
         self.policy = policy
         self.bt = trace.block_tokens
@@ -135,7 +149,11 @@ class FleetSim:
         self.views = {u.name: [g.upstreams[i] for g in self.gws]
                       for i, u in enumerate(self.gw.upstreams)}
         self.shared_load = shared_load
-        self.backends = {u.name: Backend(u, self.cost, self.bt) for u in self.gw.upstreams}
+        self.backends = {u.name: Backend(u, self.cost, self.bt, speed)
+                         for u, speed in zip(self.gw.upstreams, speeds)}
+        self.now = 0.0
+        for gw in self.gws:
+            _simulated_clock(gw, self)
         if balancer not in ("turns", "random"):
             raise ValueError(f"unknown balancer {balancer!r} (known: turns, random)")
         self.balancer, self._lb = balancer, random.Random(seed)
@@ -152,6 +170,7 @@ class FleetSim:
         self.prompt_tokens = self.hit_tokens = self.oracle_hit_tokens = 0
         self.oracle: set[int] = set()
         self.by_kind: dict[str, list[int]] = {}        # kind -> [hit tokens, prompt tokens]
+        self.prediction_errors: list[float] = []       # |predicted - TTFT| / TTFT, once warm
 
     def _install_indexes(self) -> None:
         """exact: every replica its own event-fed index, every engine publishing; oracle: the
@@ -198,11 +217,12 @@ class FleetSim:
         now = 0.0
         while nxt is not None or self.events:
             if nxt is not None and (not self.events or nxt.t <= self.events[0][0]):
-                now = nxt.t
+                now = self.now = nxt.t
                 self._arrive(nxt, now)
                 nxt = next(trace, None)
                 continue
             now, _, kind, obj = heapq.heappop(self.events)
+            self.now = now
             if kind == PREFILLED:
                 self._prefilled(obj, now)
             elif kind == FINISHED:
@@ -212,7 +232,8 @@ class FleetSim:
         return self._report(time.perf_counter() - started, now)
 
     def _arrive(self, req, now: float) -> None:
-        ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={})
+        ctx = RequestContext(request_id="", path="/v1/completions", body={}, headers={},
+                             stream=True)
         ctx.tokens, ctx.block_hashes = req.tokens, req.chain
         ctx.block_tokens = self.bt
         if self.balancer == "random":
@@ -226,7 +247,7 @@ class FleetSim:
         if len(self.gws) > 1 and self.measure_agreement:
             self._compare(req, replica, up.name)
         self._count(up.name, replica, +1)
-        ctx.upstream = up
+        ctx.upstream, ctx.attempts = up, 1
         self._oracle_lookup(req)
         b = self.backends[up.name]
         seq = SimSeq(req, ctx, now, b)
@@ -269,7 +290,7 @@ class FleetSim:
         per_kind = self.by_kind.setdefault(seq.req.kind, [0, 0])
         per_kind[0] += seq.num_cached_tokens
         per_kind[1] += len(seq)
-        dur = self.cost.prefill_overhead_s + uncached / self.cost.prefill_tokens_per_s
+        dur = self.cost.prefill_overhead_s + uncached / b.prefill_tokens_per_s
         b.busy_s += dur
         self._at(now + dur, PREFILLED, b)
 
@@ -277,9 +298,18 @@ class FleetSim:
         seq, b.prefilling = b.prefilling, None
         seq.num_computed_tokens = len(seq)
         b.bm.cache_full_blocks(seq)
-        self.ttft.append(now - seq.arrived)
+        ttft = now - seq.arrived
+        self.ttft.append(ttft)
+        ctx = seq.ctx
+        ctx.upstream_s, ctx.status = ttft, 200
+        routed = ctx.state.get(PREDICTED)
+        b.answered += 1
+        if routed is not None and b.answered > WARM_REQUESTS:
+            self.prediction_errors.append(abs(routed.predicted_s - ttft) / ttft)
+        ctx.usage = {"prompt_tokens": len(seq),
+                     "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens}}
         for hook in self.gws[seq.replica].chain.on_first_byte:   # prefix_route records here
-            hook(seq.ctx)
+            hook(ctx)
         c = self.cost
         self._at(now + len(seq.req.output) * (c.tpot_s + c.tpot_per_running_s * b.running),
                  FINISHED, seq)
@@ -300,6 +330,8 @@ class FleetSim:
         b.running -= 1
         b.served += 1
         self._count(b.up.name, seq.replica, -1)
+        for hook in self.gws[seq.replica].chain.on_finish:     # predicted_ttft learns here
+            hook(seq.ctx, None)
         self._try_start(b, now)
         self._publish(b, now)
 
@@ -335,6 +367,8 @@ class FleetSim:
             "hit_rate_by_kind": {k: h / n for k, (h, n) in sorted(self.by_kind.items())},
             "pick_us_p50": float(np.percentile(pick_us, 50)),
             "pick_us_p99": float(np.percentile(pick_us, 99)),
+            "prediction_error_p50": (float(np.median(self.prediction_errors))
+                                     if self.prediction_errors else None),
             "replicas": len(self.gws), "shared_load": self.shared_load,
             "balancer": self.balancer,
             "kv_events": self.kv_events, "event_delay_s": self.event_delay_s,
@@ -343,9 +377,17 @@ class FleetSim:
         }
 
 
-def rate_for(load: float, backends: int, cost: CostModel, trace: TraceConfig) -> float:
+def _simulated_clock(gw, sim: FleetSim) -> None:
+    """predicted_ttft's clock (its queue's progress, its fit's decay) is the simulation's."""
+    for p in gw.chain.plugins:
+        if isinstance(p, PrefixRoute) and p.predicted is not None:
+            p.predicted.clock = lambda: sim.now
+
+
+def rate_for(load: float, backends: float, cost: CostModel, trace: TraceConfig) -> float:
     """New-arrival rate at which the offered prompt tokens per second (sessions' later turns
-    included) = `load` × the fleet's prefill capacity: the work if nothing were cached.
+    included) = `load` × the fleet's prefill capacity: the work if nothing were cached
+    (`backends`: their number, or the sum of their speeds).
 
     Measured in steady state, over the second half of a sample long enough for sessions to
     have built up; the steady-state mix does not depend on the rate, so one sample serves.
@@ -376,18 +418,22 @@ def main(argv=None) -> int:
                    help="how the load balancer in front of the replicas spreads requests")
     p.add_argument("--event-delay-s", type=float, default=EVENT_DELAY_S,
                    help="exact policy: from an engine's cache change to the replicas' indexes")
+    p.add_argument("--speeds", help="each backend's prefill speed, comma-separated "
+                   "(default: all 1; e.g. 1,1,1,1,1,1,0.5,0.5)")
     for f in fields(CostModel):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--json", help="save results and the settings used to this file")
     args = p.parse_args(argv)
     cost = CostModel(**{f.name: getattr(args, f.name) for f in fields(CostModel)})
+    speeds = [float(x) for x in args.speeds.split(",")] if args.speeds else None
     trace = TraceConfig(requests=args.requests, seed=args.seed)
-    trace.rate = rate_for(args.load, args.backends, cost, trace)
+    trace.rate = rate_for(args.load, sum(speeds) if speeds else args.backends, cost, trace)
     route = json.loads(args.route)
     results = []
     for policy in args.policies.split(","):
         r = FleetSim(args.backends, policy, trace, cost, route, args.seed, args.replicas,
-                     args.shared_load, args.balancer, args.event_delay_s).run()
+                     args.shared_load, args.balancer, args.event_delay_s,
+                     speeds=speeds).run()
         results.append(r)
         print(_row(r), flush=True)
     base = next((r for r in results if r["policy"] == "round_robin"), None)
@@ -399,7 +445,8 @@ def main(argv=None) -> int:
                       f"infinite cache")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": {"backends": args.backends, "load": args.load,
+            json.dump({"settings": {"backends": args.backends, "speeds": speeds,
+                                    "load": args.load,
                                     "trace": asdict(trace), "cost": asdict(cost), "route": route},
                        "results": results}, f, indent=2)
     return 0

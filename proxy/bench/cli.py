@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed: one round of 30 measured requests per stage")
     p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
                    "pooled, to even out a shared machine (default 2)")
-    p.add_argument("--policy", choices=["chwbl", "cache_aware"], help="seed: prefix_route "
-                   "policy of the affinity stage (default cache_aware)")
+    p.add_argument("--policy", choices=["chwbl", "cache_aware", "predicted_ttft"],
+                   help="seed: prefix_route policy of the affinity stage (default cache_aware)")
     p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
                    help="seed: run only these stages (e.g. baseline,affinity routing)")
     p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed: "

@@ -16,6 +16,9 @@ misbehave. Per-request behaviour can be overridden with a vendor field in the re
 With `prefix_cache` set it also models prefill: `prefill_per_token` seconds per prompt token
 (4 characters) that its block-chained prefix cache does not hold (none, when False), and
 vLLM's prefix-cache counters in /metrics; `prefixgate doctor` and the bench tests use it.
+With `serial_prefill` its prefills (`first_delay` and the per-token time) run one at a time
+in arrival order, as an engine's do, the others counted as waiting in /metrics: a busy
+stand-in answers later, as a busy engine does.
 
     python -m prefixgate.proxy.testing.standin --port 8001 --tokens 16 --gap 0.01
 """
@@ -65,6 +68,7 @@ class Behaviour:
     models: list[str] | None = None
     lora: dict[str, str] = field(default_factory=dict)   # LoRA adapter id -> its base model id
     kv_usage: float = 0.0        # vllm:kv_cache_usage_perc its /metrics reports
+    serial_prefill: bool = False     # prefills one at a time, in arrival order (a queue)
 
 
 @dataclass
@@ -75,11 +79,13 @@ class StandIn(Surface):
     aborted: int = 0
     completed: int = 0
     running: int = 0
+    waiting: int = 0             # requests waiting for their turn to prefill (serial_prefill)
     url: str = ""
     cache: PrefixCacheModel = field(default_factory=lambda: PrefixCacheModel())
     responses: dict = field(default_factory=dict)     # Responses API: id -> response (in memory)
     _background: dict = field(default_factory=dict)   # id -> task of a `background` response
     _peers: set = field(default_factory=set)      # client (host, port): one per connection
+    _prefill_turn: asyncio.Lock = field(default_factory=asyncio.Lock)   # FIFO (serial_prefill)
     _runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -142,6 +148,9 @@ class StandIn(Surface):
             uncached, cached = self.cache.lookup(_prompt_text(body), use=b.prefix_cache)
             b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
         usage = _usage(body, b.tokens, cached)
+        if b.serial_prefill:
+            await self._prefill_in_turn(b.first_delay)
+            b = replace(b, first_delay=0.0)
         self.running += 1
         try:
             if body.get("stream"):
@@ -153,6 +162,19 @@ class StandIn(Surface):
             raise
         finally:
             self.running -= 1
+
+    async def _prefill_in_turn(self, seconds: float) -> None:
+        """Wait for the prefills that came before, then take `seconds` for this one."""
+        self.waiting += 1
+        turn = False
+        try:
+            async with self._prefill_turn:
+                self.waiting -= 1
+                turn = True
+                await asyncio.sleep(seconds)
+        finally:
+            if not turn:               # cancelled (the client left) while it waited
+                self.waiting -= 1
 
     async def _stream(self, request, body, b: Behaviour, usage: dict) -> web.StreamResponse:
         if b.fail == "reset_after" and b.fail_after == 0:
@@ -192,11 +214,12 @@ class StandIn(Surface):
     async def metrics(self, request):
         b = self.behaviour
         return web.Response(text=metrics_page(base_models(b)[0], self.running, b.kv_usage,
-                                              self.cache if b.prefix_cache is not None else None))
+                                              self.cache if b.prefix_cache is not None else None,
+                                              self.waiting))
 
 
 def metrics_page(model: str, running: int, kv_usage: float,
-                 cache: PrefixCacheModel | None) -> str:
+                 cache: PrefixCacheModel | None, waiting: int = 0) -> str:
     """vLLM's /metrics, the part the gateway reads: gauges and counters labelled by engine and
     served model, with their HELP and TYPE lines (and the per-reason waiting gauge whose name
     begins like the total's)."""
@@ -210,7 +233,7 @@ def metrics_page(model: str, running: int, kv_usage: float,
     page = [family("vllm:num_requests_running", "gauge",
                    "Number of requests in model execution batches.", [("", "", running)]),
             family("vllm:num_requests_waiting", "gauge",
-                   "Number of requests waiting to be processed.", [("", "", 0)]),
+                   "Number of requests waiting to be processed.", [("", "", waiting)]),
             family("vllm:num_requests_waiting_by_reason", "gauge",
                    "Number of requests waiting, by the reason they wait.",
                    [("", f',reason="{r}"', 0) for r in ("capacity", "deferred")]),

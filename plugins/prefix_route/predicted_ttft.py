@@ -1,0 +1,242 @@
+"""`policy: predicted_ttft` — send a request where its first token is predicted to come first.
+
+For each candidate upstream u (requests' times in seconds, sizes in prompt tokens):
+
+    predicted(u) = overhead(u) + (ahead(u) + own(u)) / rate(u)
+
+- own(u): this request's prompt tokens u does not hold: the prompt less the index's match for
+  u (`index:` approximate, or the engines' KV events);
+- ahead(u): the uncached tokens already routed to u and not yet answered (prefill_queue.py),
+  plus, where the backends' metrics are polled, the requests u says wait beyond those;
+- rate(u), overhead(u): u's fit for the request's model (ttft_model.py), learned from u's
+  own answers, so mixed hardware needs no configuration: a backend half as fast is predicted
+  twice as slow and gets about half the uncached work.
+
+The least prediction wins, but the cache home (the upstream that holds the most of the
+prompt) keeps the request while its prediction is within `tie_ms`, or `tie_fraction` of the
+best, whichever is larger: affinity holds until the home is saturated, and no longer. The
+prefill leg of a P/D request is chosen the same way among the prefill upstreams (the chain's
+scorers pick it, proxy/pd.py): the least predicted prefill time.
+
+Outcomes: `home` (the home kept it), `spill` (another upstream was faster by more than the
+tie), `new` (no upstream holds a block of it), `nokey` (no key: no upstream holds any of it).
+The route header adds `predicted_ttft_ms=` for the chosen upstream and the runner-up.
+
+Learning, when the request ends: the time measured is the upstream's TTFT as the gateway saw
+it (request written to first event; streams only, a whole answer's head comes after its last
+token) or a P/D request's prefill leg; the tokens are `usage`'s prompt − cached tokens when
+the answer has them, else the prediction's own estimate. The line fitted is the predictor's
+own: time against ahead + own tokens; where the upstream's `Server-Timing` has its `queue`
+entry, the engine's queueing is taken out of the time and only the own tokens are counted.
+Requests that were retried, or went elsewhere than this scorer chose, teach nothing.
+`prefixgate_route_ttft_prediction_error{upstream}` is |predicted − measured| / measured.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
+
+from prefixgate.common import server_timing
+from prefixgate.plugins.prefix_keys import prompt_token_ids
+from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
+from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
+from prefixgate.plugins.prefix_route.scorer import PrefixScorer
+from prefixgate.plugins.prefix_route.ttft_model import DEFAULT_PRIOR, Prior, TTFTModel
+from prefixgate.proxy.observe import usage
+
+STATE_KEY = "predicted_ttft"        # the request's Routed (ctx.state)
+BYTES_PER_TOKEN = 4                 # a text-keyed prompt's size, without its token ids
+ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+@dataclass(slots=True)
+class Routed:
+    """Where a request was sent and what was predicted for it there."""
+    name: str               # the upstream chosen
+    key: int                # its entry in that upstream's lane (0: off the lane)
+    cached: float           # prompt tokens the upstream was thought to hold
+    own: float              # ... and to compute
+    ahead: float            # tokens ahead of it there
+    predicted_s: float
+    retried: bool = False   # routed more than once (a failed attempt before): teaches nothing
+    answered: bool = False  # its first byte came
+
+
+class PredictedTTFT(PrefixScorer):
+    policy = "predicted_ttft"
+
+    def __init__(self, gw, keys: PrefixKeys, cfg: dict, index):
+        super().__init__(gw, keys, cfg["kv_saturation"])
+        self.index = index           # match(ctx, keys, upstreams) -> {name: leading blocks}
+        rate, overhead = cfg["prior_tokens_per_second"], cfg["prior_overhead_ms"]
+        prior = None if rate is None and overhead is None else Prior(
+            rate or DEFAULT_PRIOR.tokens_per_s,
+            DEFAULT_PRIOR.overhead_s if overhead is None else overhead / 1e3)
+        self.model = TTFTModel(prior, cfg["fit_half_life_s"])
+        self.queue = PrefillQueue()
+        self._slots: dict[str | None, dict[str, tuple]] = {}   # model -> name -> (fit, lane)
+        self.tie_s = cfg["tie_ms"] / 1e3
+        self.tie_fraction = cfg["tie_fraction"]
+        self.block_tokens = cfg["block_tokens"]
+        self.text_block_tokens = cfg["block_bytes"] / BYTES_PER_TOKEN
+        self.clock = time.monotonic          # the fleet simulator sets its simulated clock
+        self.errors = Histogram("prefixgate_route_ttft_prediction_error", "predicted_ttft: "
+                                "|predicted - measured| / measured time to first token, per "
+                                "upstream", ["upstream"], buckets=ERROR_BUCKETS,
+                                registry=gw.registry)
+
+    def members_changed(self, upstreams) -> None:
+        self.index.retain(upstreams)
+        names = {u.name for u in upstreams}
+        self.model.retain(names)
+        self.queue.retain(names)
+        self._slots.clear()
+
+    # --- the decision ----------------------------------------------------------------------
+    def choose(self, ctx, keys: Keys, upstreams) -> dict:
+        matched = keys.matched = self.index.match(ctx, keys, upstreams) if keys.chain else {}
+        per_block = self.block_tokens if keys.mode == "tokens" else self.text_block_tokens
+        ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
+        return self._route(ctx, upstreams, matched, per_block,
+                           self._prompt_tokens(ctx, keys, per_block))
+
+    def no_key(self, ctx, upstreams) -> dict:
+        ctx.route_info.update(policy=self.policy, blocks=0)
+        tokens = len(ctx.tokens) if ctx.tokens is not None else len(ctx.raw_body) / BYTES_PER_TOKEN
+        return self._route(ctx, upstreams, {}, 0, max(tokens, 1))
+
+    def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
+               avoid_full: bool = True) -> dict:
+        now = self.clock()
+        model = ctx.model
+        slots = self._slots.get(model) or self._slots.setdefault(model, {})
+        best = second = home = None       # rows: (predicted s, upstream, ahead, cached)
+        best_t = second_t = home_t = math.inf
+        home_m = ties = 0
+        saturated = []
+        for u in upstreams:
+            polled = u.polled
+            if avoid_full and polled is not None and self.saturated(u):
+                saturated.append(u)
+                continue
+            name = u.name
+            fit, lane = slots.get(name) or self._slot(slots, name, model, now)
+            per_token = fit.per_token_s
+            m = matched.get(name, 0) if matched else 0
+            cached = min(m * per_block, prompt - 1) if m else 0
+            ahead = lane.ahead(now, per_token, None if polled is None else polled.waiting(u)
+                               ) if lane.tokens or polled is not None else 0.0
+            t = fit.overhead_s + per_token * (ahead + prompt - cached)
+            if t < best_t:
+                second, second_t, best, best_t = best, best_t, (t, u, ahead, cached), t
+                ties = 1
+            elif t == best_t:                 # equals (idle twins): one of them at random
+                ties += 1
+                row = (t, u, ahead, cached)
+                if random.random() * ties < 1:
+                    best, row = row, best
+                second, second_t = row, t
+            elif t < second_t:
+                second, second_t = (t, u, ahead, cached), t
+            if m and (m > home_m or (m == home_m and t < home_t)):
+                home, home_m, home_t = (t, u, ahead, cached), m, t
+        if best is None:                  # every one saturated: the least bad of them
+            return self._route(ctx, saturated, matched, per_block, prompt, avoid_full=False)
+        if home is None:
+            chosen, outcome = best, "new" if ctx.route_info["blocks"] else "nokey"
+        elif home_t <= best_t + max(self.tie_s, self.tie_fraction * best_t):
+            chosen, outcome = home, "home"
+        else:
+            chosen, outcome = best, "spill"
+        self._routed(ctx, chosen, prompt, now)
+        ctx.route_info.update(best_match=home_m, predicted_ttft_ms=_header_times(
+            chosen, second if chosen[1] is best[1] else best))
+        self.decided(ctx, outcome)
+        return {chosen[1]: 1.0}
+
+    def _slot(self, slots: dict, name: str, model: str | None, now: float) -> tuple:
+        """(fit, lane) of upstream `name` for `model`, looked up once per candidate."""
+        slot = slots[name] = (self.model.fit(name, model, now), self.queue.lane(name))
+        return slot
+
+    def _prompt_tokens(self, ctx, keys: Keys, per_block: float) -> float:
+        if ctx.tokens is not None:
+            return len(ctx.tokens)
+        if keys.mode == "tokens":
+            return len(prompt_token_ids(ctx.body) or ()) or len(keys.chain) * per_block
+        return max(len(ctx.raw_body) / BYTES_PER_TOKEN, len(keys.chain) * per_block, 1)
+
+    def _routed(self, ctx, chosen: tuple, prompt: float, now: float) -> None:
+        """Put the request on its upstream's lane (off the lane of an attempt before)."""
+        t, up, ahead, cached = chosen
+        before = ctx.state.get(STATE_KEY)
+        if before is not None and before.key:
+            self.queue.remove(before.name, before.key, now, answered=False)
+        own = prompt - cached
+        ctx.state[STATE_KEY] = Routed(up.name, self.queue.add(up.name, own, now), cached, own,
+                                      ahead, t, retried=before is not None)
+
+    # --- what the answer teaches -------------------------------------------------------------
+    def answered(self, ctx) -> None:
+        """The first byte: the chosen upstream has computed the prompt."""
+        r = ctx.state.get(STATE_KEY)
+        if r is not None and r.key:
+            self.queue.remove(r.name, r.key, self.clock(), answered=True)
+            r.key, r.answered = 0, True
+
+    def finished(self, ctx, error) -> None:
+        r = ctx.state.get(STATE_KEY)
+        if r is None:
+            return
+        if r.key:                               # failed before its first byte
+            self.queue.remove(r.name, r.key, self.clock(), answered=False)
+            r.key = 0
+            return
+        if not r.answered or r.retried or error is not None or ctx.status != 200:
+            return
+        measured = self._measured(ctx, r)
+        if measured is not None and measured > 0:
+            self._learn(ctx, r, measured)
+
+    @staticmethod
+    def _measured(ctx, r: Routed) -> float | None:
+        """The seconds to the first token on the chosen upstream (None: not measured)."""
+        if ctx.attempts != 1:
+            return None
+        prefill = ctx.prefill_upstream
+        if prefill is not None:                 # P/D: its prefill leg
+            return ctx.prefill_s if prefill.name == r.name else None
+        if not ctx.stream or ctx.upstream is None or ctx.upstream.name != r.name:
+            return None
+        return ctx.upstream_s
+
+    def _learn(self, ctx, r: Routed, measured: float) -> None:
+        own = r.own
+        entries = {}
+        if ctx.prefill_upstream is None:
+            answer = ctx.usage
+            if answer is None and ctx.tail:
+                answer = (usage.from_stream(ctx.tail) or {}).get("usage")
+            prompt, cached, _ = usage.tokens(answer)
+            if prompt is not None:
+                own = max(prompt - (cached if cached is not None else r.cached), 1)
+            entries = server_timing.parse(ctx.upstream_timing)
+        self.errors.labels(r.name).observe(abs(r.predicted_s - measured) / measured)
+        fit = self.model.fit(r.name, ctx.model, self.clock())
+        queued_ms = entries.get("queue")
+        if queued_ms is not None:
+            fit.observe(own, max(measured - queued_ms / 1e3, 0.0), self.clock())
+        else:
+            fit.observe(r.ahead + own, measured, self.clock())
+
+
+def _header_times(chosen, runner_up) -> str:
+    text = f"{chosen[1].name}:{chosen[0] * 1e3:.1f}"
+    if runner_up is not None:
+        text += f",{runner_up[1].name}:{runner_up[0] * 1e3:.1f}"
+    return text
+

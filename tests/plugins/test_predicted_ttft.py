@@ -1,0 +1,161 @@
+"""prefix_route `policy: predicted_ttft` through the real gateway, against stand-ins that
+prefill one request at a time at a set speed per prompt token (`serial_prefill`): a slower
+backend gets less of the uncached work, a saturated cache home spills, an idle one keeps its
+tenants, and the learned speeds show in /metrics and the route header."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import re
+
+import aiohttp
+import pytest
+
+from prefixgate.common.schema import ConfigError
+from prefixgate.proxy.app import Gateway
+from prefixgate.proxy.config.gateway import validate
+from prefixgate.proxy.testing.pd_standin import KVStore, VllmDecode, VllmPrefill
+from prefixgate.proxy.testing.standin import Behaviour
+from tests.plugins.helpers import metrics, sample
+
+MODEL = "standin-model"
+FAST_S = 0.0004                 # a stand-in's seconds per uncached prompt token (2,500/s)
+_unique = itertools.count()
+
+
+def prompt(chars: int) -> str:
+    """Text no other prompt starts like (so nothing of it is cached anywhere)."""
+    n = next(_unique)
+    words = f"request {n} " + " ".join(f"w{n}x{i}" for i in range(chars // 6))
+    return words[:chars]
+
+
+def chat(system: str, user: str) -> dict:
+    return {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}
+
+
+async def send(client, gw, body) -> tuple[str, str]:
+    """(upstream, route header) of one streamed chat through the gateway."""
+    async with client.post(gw.url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        assert r.status == 200
+        return r.headers["x-prefixgate-upstream"], r.headers["x-prefixgate-route"]
+
+
+async def burst(client, gw, bodies) -> list[tuple[str, str]]:
+    return await asyncio.gather(*(send(client, gw, b) for b in bodies))
+
+
+def outcome(route: str) -> str:
+    return re.search(r"outcome=(\w+)", route).group(1)
+
+
+def work(standin) -> int:
+    """Prompt tokens it computed (its prefix cache's misses)."""
+    return standin.cache.queries - standin.cache.hits
+
+
+async def fleet(make_standin, make_gateway, per_token=(FAST_S, FAST_S), tmp_path=None,
+                **route):
+    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
+                                   prefill_per_token=s) for s in per_token]
+    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
+           "plugins": [{"prefix_route": {"policy": "predicted_ttft", **route}}]}
+    if tmp_path is not None:        # an access log keeps streams' usage for the fit to read
+        cfg["access_log"] = {"path": str(tmp_path / "access.log")}
+    return standins, await make_gateway(cfg)
+
+
+async def test_a_backend_half_as_fast_gets_about_half_the_uncached_work(
+        make_standin, make_gateway, tmp_path):
+    random.seed(4)
+    (fast, slow), gw = await fleet(make_standin, make_gateway, (FAST_S, 2 * FAST_S), tmp_path)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(3):              # warm-up: both answer, both speeds are learned
+            await burst(client, gw, [chat(prompt(600), "hi") for _ in range(10)])
+        before = work(fast), work(slow)
+        for _ in range(4):
+            await burst(client, gw, [chat(prompt(600), "hi") for _ in range(10)])
+        m = await metrics(client, gw)
+    fast_work, slow_work = work(fast) - before[0], work(slow) - before[1]
+    assert 0.3 <= slow_work / fast_work <= 0.8, (fast_work, slow_work)
+    rate = {n: sample(m, "prefixgate_route_prefill_tokens_per_second", upstream=n, model=MODEL)
+            for n in "ab"}
+    assert 1.4 <= rate["a"] / rate["b"] <= 2.8, rate
+
+
+async def test_a_saturated_home_spills_and_an_idle_one_keeps_its_tenants(
+        make_standin, make_gateway):
+    random.seed(5)
+    _, gw = await fleet(make_standin, make_gateway, prior_tokens_per_second=2500)
+    tenants = [prompt(2400) for _ in range(3)]
+    homes: dict[int, set] = {}
+    async with aiohttp.ClientSession() as client:
+        for turn in range(3):           # one request at a time: every home is idle
+            for i, system in enumerate(tenants):
+                up, route = await send(client, gw, chat(system, f"turn {turn}: " + prompt(200)))
+                homes.setdefault(i, set()).add(up)
+                assert outcome(route) == ("new" if turn == 0 else "home"), route
+                assert re.search(r"predicted_ttft_ms=[ab]:[\d.]+,[ab]:[\d.]+", route), route
+        assert all(len(ups) == 1 for ups in homes.values()), homes
+        # a burst of one tenant with long questions: the home takes it until its queue makes
+        # the other upstream, computing the whole prompt, the faster one
+        home = next(iter(homes[0]))
+        routes = await burst(client, gw, [chat(tenants[0], prompt(1200)) for _ in range(12)])
+        m = await metrics(client, gw)
+    at_home = [up for up, _ in routes if up == home]
+    assert 3 <= len(at_home) <= 10, routes
+    assert {outcome(r) for up, r in routes if up != home} == {"spill"}, routes
+    assert sample(m, "prefixgate_route_decisions_total", policy="predicted_ttft",
+                  outcome="spill") == 12 - len(at_home)
+    assert sample(m, "prefixgate_route_ttft_prediction_error_count", upstream=home) > 0
+    for name in "ab":
+        assert sample(m, "prefixgate_route_prefill_tokens_per_second", upstream=name,
+                      model=MODEL) > 0
+
+
+async def test_the_prefill_upstream_of_a_pd_pair_is_the_one_predicted_first(make_gateway):
+    random.seed(6)
+    kv = KVStore()
+    prefills = [await VllmPrefill(Behaviour(tokens=1, prefix_cache=True, serial_prefill=True,
+                                            prefill_per_token=s), kv=kv).start()
+                for s in (FAST_S, 2 * FAST_S)]
+    decode = await VllmDecode(Behaviour(tokens=2), kv=kv).start()
+    try:
+        gw = await make_gateway({
+            "upstreams": [{"name": "p0", "url": prefills[0].url, "role": "prefill"},
+                          {"name": "p1", "url": prefills[1].url, "role": "prefill"},
+                          {"name": "d0", "url": decode.url, "role": "decode"}],
+            "pd": {"protocol": "vllm"},
+            "plugins": [{"prefix_route": {"policy": "predicted_ttft"}}]})
+        async with aiohttp.ClientSession() as client:
+            for _ in range(3):
+                await burst(client, gw, [chat(prompt(600), "hi") for _ in range(10)])
+            before = [work(p) for p in prefills]
+            for _ in range(3):
+                await burst(client, gw, [chat(prompt(600), "hi") for _ in range(10)])
+    finally:
+        for s in (*prefills, decode):
+            await s.stop()
+    fast_work, slow_work = (work(p) - b for p, b in zip(prefills, before))
+    assert 0.3 <= slow_work / fast_work <= 0.8, (fast_work, slow_work)
+
+
+@pytest.mark.parametrize("route, error", [
+    ({"policy": "predicted"}, "plugins[0].prefix_route.policy: must be one of chwbl, "
+                              "cache_aware, predicted_ttft"),
+    ({"tie_fraction": -0.1}, "plugins[0].prefix_route.tie_fraction: must be >= 0"),
+    ({"tie_ms": "10"}, "plugins[0].prefix_route.tie_ms: must be"),
+    ({"prior_tokens_per_second": 0}, "plugins[0].prefix_route.prior_tokens_per_second: "
+                                     "must be > 0"),
+    ({"prior_overhead_ms": -1}, "plugins[0].prefix_route.prior_overhead_ms: must be >= 0"),
+    ({"fit_half_life_s": 0}, "plugins[0].prefix_route.fit_half_life_s: must be > 0"),
+])
+def test_bad_settings_fail_at_start_naming_the_key(route, error):
+    with pytest.raises(ConfigError) as e:
+        Gateway(validate({"upstreams": [{"name": "a", "url": "http://127.0.0.1:9"}],
+                          "plugins": [{"prefix_route": {"policy": "predicted_ttft", **route}}]}))
+    assert str(e.value).startswith(error), str(e.value)
