@@ -55,6 +55,7 @@ PROTOCOL_VERSION = 1
 FRAME = struct.Struct("!cQ")           # kind, payload length
 MAX_CONTROL_BYTES = 1 << 20            # a J frame larger than this is a protocol error
 READ_LIMIT = 4 << 20                   # the pulling side's stream buffer
+MIN_READ_TIMEOUT_S = 5.0               # the KV server waits at least this for a message
 
 
 class KVTransferError(Exception):
@@ -219,6 +220,10 @@ class KVTransfer:
             raise ValueError("--kv-transfer-timeout must be positive")
         self.role = args.role
         self.timeout = float(args.kv_transfer_timeout)
+        # how long the KV server waits for a puller's next message: the hold's timeout, but
+        # never so short that a busy decode engine's request counts as silence (a hold that
+        # expired must be answered "not found", not with a dropped connection)
+        self._read_timeout = max(self.timeout, MIN_READ_TIMEOUT_S)
         self.host = args.kv_transfer_host or host
         self.port = args.kv_transfer_port
         self.engine_id = uuid.uuid4().hex
@@ -306,7 +311,7 @@ class KVTransfer:
         self._conns.add(writer)
         hold, tid, t0, sent = None, None, time.monotonic(), 0
         try:
-            msg = await asyncio.wait_for(_read_json(reader), self.timeout)
+            msg = await asyncio.wait_for(_read_json(reader), self._read_timeout)
             tid = msg.get("transfer_id")
             problem = self._check_pull(msg)
             if problem is not None:
@@ -317,7 +322,7 @@ class KVTransfer:
             hold = self._holds.pop(tid)
             hold.timer.cancel()
             sent = await self._send_blocks(writer, hold, msg["first_block"])
-            done = await asyncio.wait_for(_read_json(reader), self.timeout)
+            done = await asyncio.wait_for(_read_json(reader), self._read_timeout)
             if done.get("op") != "done":
                 raise KVTransferError("kv_protocol_error",
                                       f"expected 'done', got {done.get('op')!r}")
