@@ -33,6 +33,7 @@ def printed(*args) -> dict:
     (["--policy", "least_inflight", "--normalize"],
      [{"normalize": {}}, {"least_inflight": {}}, METRICS]),
     (["--policy", "chwbl"], [{"prefix_route": {"policy": "chwbl"}}, METRICS]),
+    (["--policy", "predicted_ttft"], [{"prefix_route": {"policy": "predicted_ttft"}}, METRICS]),
 ])
 def test_print_config_for_upstreams(flags, plugins):
     assert printed("--upstream", "http://10.0.0.1:8000", "--upstream", "https://b.example/",
