@@ -54,7 +54,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefixgate.common.runtime import free_port
@@ -67,6 +67,10 @@ BLOCK_SIZE = 128            # vLLM's CPU backend's KV cache block
 INSTALL_TIMEOUT_S = 1200
 READY_TIMEOUT_S = 420      # ~35 s alone on an idle machine; minutes on a crowded one
 PR_SET_PDEATHSIG = 1        # linux/prctl.h
+
+
+PORT_TAKEN = "Address already in use"     # in a server's log: start it on other ports
+PORT_ATTEMPTS = 3
 
 
 class VLLMUnavailable(RuntimeError):
@@ -260,6 +264,22 @@ class VLLMServer:
         raise VLLMUnavailable(f"vLLM at {self.url} not ready after {timeout:.0f}s"
                               f"{self._log_tail()}")
 
+    def on_new_ports(self) -> VLLMServer:
+        """This server, not started, on fresh ports: one chosen for it was taken between
+        `free_port()` and vLLM's bind (vLLM binds ports of its own while it starts)."""
+        env = self.env
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+            env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        events = self.kv_events_port is not None
+        return replace(self, port=free_port(), kv_events_port=free_port() if events else None,
+                       replay_port=free_port() if events else None, env=env, proc=None)
+
+    def port_was_taken(self) -> bool:
+        """Whether its log says a port it was to bind was in use (the engine core's error,
+        well above the API server's last lines)."""
+        return bool(self.log_path and self.log_path.is_file()
+                    and PORT_TAKEN in self.log_path.read_text(errors="replace"))
+
     def _log_tail(self) -> str:
         if not self.log_path or not self.log_path.is_file():
             return ""
@@ -330,12 +350,28 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
     try:
         for server in servers:
             server.start(kvcache_gib, env)
-        for server in servers:
-            server.wait_ready(timeout)
+        for i in range(n):
+            servers[i] = _ready(servers[i], kvcache_gib, env, timeout)
         yield servers
     finally:
         for server in servers:
             server.stop()
+
+
+def _ready(server: VLLMServer, kvcache_gib: int, env: dict | None,
+           timeout: float) -> VLLMServer:
+    """`server` once ready; started again on fresh ports while it died of a port taken."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            server.wait_ready(timeout)
+            return server
+        except VLLMUnavailable:
+            if attempt == PORT_ATTEMPTS or not server.port_was_taken():
+                raise
+        server.stop()
+        server = server.on_new_ports()
+        server.start(kvcache_gib, env)
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:
