@@ -58,6 +58,8 @@ class Chain:
         for hook in HOOKS:
             setattr(self, hook, [getattr(p, hook) for p in plugins if hasattr(p, hook)])
         self.scorers = [p for p in plugins if hasattr(p, "score")]
+        # streams keep their last chunks for a plugin that reads their usage at the end
+        self.keeps_tail = any(getattr(p, "keeps_stream_tail", False) for p in plugins)
         self.active = 0             # requests running on this chain (a reload waits for them)
 
 

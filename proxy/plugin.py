@@ -33,6 +33,7 @@ class Plugin:
     spec: dict[str, Key] = {}
     provides: frozenset[str] = frozenset()   # RequestContext fields its on_request fills
     needs: tuple[Need, ...] = ()             # set per instance when settings decide them
+    keeps_stream_tail = False                # on_finish reads ctx.tail (a stream's last chunks)
 
     def __init__(self, cfg: dict, gw):
         self.gw = gw

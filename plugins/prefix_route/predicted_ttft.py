@@ -19,15 +19,18 @@ prefill leg of a P/D request is chosen the same way among the prefill upstreams 
 scorers pick it, proxy/pd.py): the least predicted prefill time.
 
 Outcomes: `home` (the home kept it), `spill` (another upstream was faster by more than the
-tie), `new` (no upstream holds a block of it), `nokey` (no key: no upstream holds any of it).
+tie), `new` (no upstream holds a block of it), `nokey` (no key: no upstream holds any of it),
+`session` (soft `session:` mode: the session's upstream is the home, and kept it).
 The route header adds `predicted_ttft_ms=` for the chosen upstream and the runner-up.
 
 Learning, when the request ends: the time measured is the upstream's TTFT as the gateway saw
 it (request written to first event; streams only, a whole answer's head comes after its last
 token) or a P/D request's prefill leg; the tokens are `usage`'s prompt − cached tokens when
 the answer has them, else the prediction's own estimate. The line fitted is the predictor's
-own: time against ahead + own tokens; where the upstream's `Server-Timing` has its `queue`
-entry, the engine's queueing is taken out of the time and only the own tokens are counted.
+own: the whole time against ahead + own tokens. (Taking the engine's `queue` entry of
+Server-Timing out of the time and fitting the own tokens alone lost the rate wherever prompts
+have one length: every point then sits at one token count, and a slower engine's time went
+into the overhead, which the queue ahead is not multiplied by.)
 Requests that were retried, or went elsewhere than this scorer chose, teach nothing.
 `prefixgate_route_ttft_prediction_error{upstream}` is |predicted − measured| / measured.
 """
@@ -40,7 +43,6 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
-from prefixgate.common import server_timing
 from prefixgate.plugins.prefix_keys import prompt_token_ids
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
@@ -70,7 +72,7 @@ class PredictedTTFT(PrefixScorer):
     policy = "predicted_ttft"
 
     def __init__(self, gw, keys: PrefixKeys, cfg: dict, index):
-        super().__init__(gw, keys, cfg["kv_saturation"])
+        super().__init__(gw, keys, cfg)
         self.index = index           # match(ctx, keys, upstreams) -> {name: leading blocks}
         rate, overhead = cfg["prior_tokens_per_second"], cfg["prior_overhead_ms"]
         prior = None if rate is None and overhead is None else Prior(
@@ -97,20 +99,28 @@ class PredictedTTFT(PrefixScorer):
         self._slots.clear()
 
     # --- the decision ----------------------------------------------------------------------
-    def choose(self, ctx, keys: Keys, upstreams) -> dict:
+    def choose(self, ctx, keys: Keys, upstreams, session=None) -> dict:
         matched = keys.matched = self.index.match(ctx, keys, upstreams) if keys.chain else {}
         per_block = self.block_tokens if keys.mode == "tokens" else self.text_block_tokens
         ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
         return self._route(ctx, upstreams, matched, per_block,
-                           self._prompt_tokens(ctx, keys, per_block))
+                           self._prompt_tokens(ctx, keys, per_block), session)
 
-    def no_key(self, ctx, upstreams) -> dict:
+    def no_key(self, ctx, upstreams, session=None) -> dict:
         ctx.route_info.update(policy=self.policy, blocks=0)
         tokens = len(ctx.tokens) if ctx.tokens is not None else len(ctx.raw_body) / BYTES_PER_TOKEN
-        return self._route(ctx, upstreams, {}, 0, max(tokens, 1))
+        return self._route(ctx, upstreams, {}, 0, max(tokens, 1), session)
+
+    def for_session(self, ctx, keys: Keys, home, upstreams) -> dict:
+        """Soft mode: the session's upstream is the request's home, kept within the tie."""
+        if self.sessions.hard:
+            return super().for_session(ctx, keys, home, upstreams)
+        if not keys.chain and keys.short is None:
+            return self.no_key(ctx, upstreams, home)
+        return self.choose(ctx, keys, upstreams, home)
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
-               avoid_full: bool = True) -> dict:
+               session=None, avoid_full: bool = True) -> dict:
         now = self.clock()
         model = ctx.model
         slots = self._slots.get(model) or self._slots.setdefault(model, {})
@@ -142,16 +152,26 @@ class PredictedTTFT(PrefixScorer):
                 second, second_t = row, t
             elif t < second_t:
                 second, second_t = (t, u, ahead, cached), t
-            if m and (m > home_m or (m == home_m and t < home_t)):
+            if session is not None:
+                if u is session:
+                    home, home_m, home_t = (t, u, ahead, cached), m, t
+            elif m and (m > home_m or (m == home_m and t < home_t)):
                 home, home_m, home_t = (t, u, ahead, cached), m, t
         if best is None:                  # every one saturated: the least bad of them
-            return self._route(ctx, saturated, matched, per_block, prompt, avoid_full=False)
+            return self._route(ctx, saturated, matched, per_block, prompt, session, False)
         if home is None:
             chosen, outcome = best, "new" if ctx.route_info["blocks"] else "nokey"
         elif home_t <= best_t + max(self.tie_s, self.tie_fraction * best_t):
             chosen, outcome = home, "home"
         else:
             chosen, outcome = best, "spill"
+        if session is not None:
+            if chosen[1] is session:
+                ctx.route_info["session"] = "kept"
+                self.session_routes.labels("kept").inc()
+                outcome = "session"
+            else:
+                self.session_moved(ctx)
         self._routed(ctx, chosen, prompt, now)
         ctx.route_info.update(best_match=home_m, predicted_ttft_ms=_header_times(
             chosen, second if chosen[1] is best[1] else best))
@@ -216,7 +236,6 @@ class PredictedTTFT(PrefixScorer):
 
     def _learn(self, ctx, r: Routed, measured: float) -> None:
         own = r.own
-        entries = {}
         if ctx.prefill_upstream is None:
             answer = ctx.usage
             if answer is None and ctx.tail:
@@ -224,14 +243,9 @@ class PredictedTTFT(PrefixScorer):
             prompt, cached, _ = usage.tokens(answer)
             if prompt is not None:
                 own = max(prompt - (cached if cached is not None else r.cached), 1)
-            entries = server_timing.parse(ctx.upstream_timing)
         self.errors.labels(r.name).observe(abs(r.predicted_s - measured) / measured)
-        fit = self.model.fit(r.name, ctx.model, self.clock())
-        queued_ms = entries.get("queue")
-        if queued_ms is not None:
-            fit.observe(own, max(measured - queued_ms / 1e3, 0.0), self.clock())
-        else:
-            fit.observe(r.ahead + own, measured, self.clock())
+        self.model.fit(r.name, ctx.model, self.clock()).observe(r.ahead + own, measured,
+                                                                self.clock())
 
 
 def _header_times(chosen, runner_up) -> str:

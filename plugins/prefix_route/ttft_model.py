@@ -8,7 +8,10 @@ request (`policy: predicted_ttft`, predicted_ttft.py, feeds it):
   down (a noisy neighbour, a throttled GPU) is seen within a few half-lives;
 - robust: a residual is clipped at CLIP_SCALES times the running mean absolute residual
   (Huber's idea), so one request stuck behind a stall moves the line by a bounded amount,
-  while a real slowdown, seen again and again, widens the bound and gets through;
+  while a real slowdown, seen again and again, widens the bound and gets through. The first
+  YOUNG observations are clipped only at YOUNG_CLIP times the prediction: a prior can be off
+  several times over (a CPU engine against the default prior: 6×), and there is no fit yet to
+  protect, only a stall to bound;
 - anchored: the previous line counts as ANCHOR_WEIGHT observations at 0 and at the mean
   token count, which keeps the slope defined while the requests all have one length, and
   holds the line where it was while no request comes (no traffic is no news);
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily
 
 CLIP_SCALES = 3.0          # residuals beyond this many mean absolute residuals are clipped
+YOUNG, YOUNG_CLIP = 8, 4.0   # the first observations: residuals up to 4x the prediction
 REL_FLOOR = 0.1            # ... never below this fraction of the prediction (a quiet start)
 SCALE_ALPHA = 0.05         # the mean absolute residual's smoothing per observation
 ANCHOR_WEIGHT = 2.0        # observations' worth of the previous line
@@ -69,7 +73,10 @@ class PrefillFit:
         self._decay(now)
         expected = self.predict(tokens)
         residual = seconds - expected
-        bound = CLIP_SCALES * max(self._scale or 0.0, REL_FLOOR * expected)
+        if self.observations < YOUNG:
+            bound = YOUNG_CLIP * expected
+        else:
+            bound = CLIP_SCALES * max(self._scale or 0.0, REL_FLOOR * expected)
         clipped = min(max(residual, -bound), bound)
         self._scale = (abs(clipped) if self._scale is None
                        else self._scale + SCALE_ALPHA * (abs(clipped) - self._scale))

@@ -3,17 +3,20 @@ reads, needs declared between plugins and checked when the chain is built, and a
 room check as a declared hook."""
 from __future__ import annotations
 
+import asyncio
 import time
 
+import aiohttp
 import pytest
 
-from prefixgate.common.schema import ConfigError
+from prefixgate.common.schema import ConfigError, Key
 from prefixgate.plugins.balance import LeastInflight
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller, Sample
 from prefixgate.proxy import route
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.chain import Chain
 from prefixgate.proxy.config.gateway import validate
+from prefixgate.proxy.observe import usage
 from prefixgate.proxy.plugin import Need, Plugin
 
 
@@ -99,3 +102,38 @@ def test_room_is_the_chains_with_room_hooks_else_max_inflight():
     chain = Chain([Odd(), NotThree()])
     assert chain.active == 0
     assert [u.name for u in route.with_room(chain, ups)] == ["u1", "u5"]
+
+
+class ReadsUsage(Plugin):
+    """Keeps what each stream's usage event said, as a plugin learning from answers does."""
+    name = "reads_usage"
+    spec = {"keep": Key(bool, True)}
+    seen: list = []
+
+    def __init__(self, cfg, gw):
+        super().__init__(cfg, gw)
+        self.keeps_stream_tail = self.cfg["keep"]
+
+    def on_finish(self, ctx, error):
+        self.seen.append((usage.from_stream(ctx.tail) or {}).get("usage") if ctx.tail else None)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+async def test_a_plugin_that_asks_reads_a_streams_usage_at_its_end(make_standin, make_gateway,
+                                                                    keep):
+    standin = await make_standin(tokens=3)
+    gw = await make_gateway({"upstreams": [{"name": "a", "url": standin.url}],
+                             "plugins": [{f"{__name__}:ReadsUsage": {"keep": keep}}]})
+    ReadsUsage.seen = []
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gw.url + "/v1/chat/completions", json={
+                "model": "standin-model", "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "hello there"}]}) as r:
+            assert r.status == 200
+            await r.read()
+    await asyncio.sleep(0)
+    if keep:
+        [answer] = ReadsUsage.seen
+        assert answer["completion_tokens"] == 3 and answer["prompt_tokens"] > 0, answer
+    else:       # no access log, no tracing, no plugin asking: nothing kept on the hot path
+        assert ReadsUsage.seen == [None]

@@ -7,7 +7,13 @@ import random
 import pytest
 
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
-from prefixgate.plugins.prefix_route.ttft_model import DEFAULT_PRIOR, PrefillFit, Prior, TTFTModel
+from prefixgate.plugins.prefix_route.ttft_model import (
+    DEFAULT_PRIOR,
+    YOUNG_CLIP,
+    PrefillFit,
+    Prior,
+    TTFTModel,
+)
 
 EVERY_S = 0.25                  # an answer every quarter second
 
@@ -38,8 +44,16 @@ def test_converges_to_the_backends_rate_and_overhead():
 def test_starts_from_the_prior_and_one_answer_moves_it_a_bounded_step():
     fit = PrefillFit(Prior(8000.0, 0.05), half_life_s=15.0, now=0.0)
     assert (fit.tokens_per_s, fit.overhead_s) == (pytest.approx(8000), 0.05)
+    expected = 0.05 + 1000 / 8000
     fit.observe(1000, 100.0, 1.0)        # 100 s for 1000 tokens: one stalled request
-    assert fit.predict(1000) < 2 * (0.05 + 1000 / 8000)
+    assert fit.predict(1000) < (1 + YOUNG_CLIP) * expected
+
+
+def test_a_prior_several_times_off_is_corrected_within_a_few_answers():
+    fit = PrefillFit(Prior(10_000.0, 0.02), half_life_s=15.0, now=0.0)   # the default prior
+    for i, tokens in enumerate((450, 900, 1350, 1800) * 2):    # a CPU engine: 1,500 tokens/s
+        fit.observe(tokens, tokens / 1500, 0.1 * i)
+    assert fit.tokens_per_s == pytest.approx(1500, rel=0.15)
 
 
 def test_outliers_move_the_fit_a_bounded_amount():

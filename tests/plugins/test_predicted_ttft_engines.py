@@ -1,0 +1,148 @@
+"""prefix_route `policy: predicted_ttft` in front of two real bundled engines (the demo model,
+each its own process with one torch thread), one of them slowed: a step budget of 32 tokens
+(`--max-num-batched-tokens 32`) makes it pay a step's fixed cost (about 30 tokens' worth of
+compute on a CPU core) every 32 prompt tokens instead of every 512, so it prefills at about
+half the other's speed. The gateway is told nothing about either: it learns their speeds from
+their answers (the usage of each stream, the time to its first event)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from prefixgate.common.runtime import free_port
+from prefixgate.proxy.bench.prompts import words
+from tests.plugins.helpers import metrics, sample
+
+MODEL = "demo"
+BUDGETS = {"fast": 512, "slow": 32}     # --max-num-batched-tokens
+
+
+def start_engine(budget: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixgate.backend", "--model", MODEL, "--port", str(port),
+         "--max-num-batched-tokens", str(budget), "--log-level", "warning"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"engine at {url} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"engine at {url} not ready in {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """{name: url} of the fast and the slowed engine, started once for the module."""
+    started = {name: start_engine(budget) for name, budget in BUDGETS.items()}
+    try:
+        for proc, url in started.values():
+            wait_healthy(proc, url)
+        yield {name: url for name, (_, url) in started.items()}
+    finally:
+        for proc, _ in started.values():
+            proc.terminate()
+        for proc, _ in started.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def gateway_config(engines: dict) -> dict:
+    return {"upstreams": [{"name": n, "url": u} for n, u in engines.items()],
+            "plugins": [{"prefix_route": {"policy": "predicted_ttft"}}]}
+
+
+_rng = random.Random(27)
+
+
+def text(n_words: int) -> str:
+    """Words no other prompt starts with (a fresh number first), so nothing of it is cached."""
+    return f"note {_rng.randrange(10**9)}: " + words(_rng, n_words)
+
+
+def chat(system: str, user: str) -> dict:
+    return {"model": MODEL, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}
+
+
+async def send(client, gw, body) -> dict:
+    """Where the gateway sent one streamed chat, how, and the usage the engine reported."""
+    async with client.post(gw.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        events = (await r.read()).decode().split("\n\n")
+        usage = next(json.loads(e[5:])["usage"] for e in events
+                     if e.startswith("data: {") and '"usage"' in e and '"usage":null' not in e)
+        return {"upstream": r.headers["x-prefixgate-upstream"],
+                "route": r.headers["x-prefixgate-route"],
+                "computed": usage["prompt_tokens"] - ((usage.get("prompt_tokens_details") or {})
+                                                      .get("cached_tokens") or 0)}
+
+
+async def burst(client, gw, bodies) -> list[dict]:
+    return await asyncio.gather(*(send(client, gw, b) for b in bodies))
+
+
+def outcome(answer: dict) -> str:
+    return re.search(r"outcome=(\w+)", answer["route"]).group(1)
+
+
+async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_gateway):
+    gw = await make_gateway(gateway_config(engines))
+    async with aiohttp.ClientSession() as client:
+        for _ in range(3):              # warm-up: both answer, both speeds are learned
+            await burst(client, gw, [chat(text(300), "hi") for _ in range(8)])
+        answers = []
+        for _ in range(4):
+            answers += await burst(client, gw, [chat(text(300), "hi") for _ in range(8)])
+        m = await metrics(client, gw)
+    work = {n: sum(a["computed"] for a in answers if a["upstream"] == n) for n in BUDGETS}
+    assert 0.2 <= work["slow"] / work["fast"] <= 0.85, work
+    # the learned lines: 1,000 tokens to compute take the slowed engine markedly longer
+    predicted = {n: sample(m, "prefixgate_route_prefill_overhead_seconds", upstream=n,
+                           model=MODEL) + 1000 / sample(
+        m, "prefixgate_route_prefill_tokens_per_second", upstream=n, model=MODEL)
+        for n in BUDGETS}
+    assert predicted["slow"] >= 1.3 * predicted["fast"], predicted
+
+
+async def test_a_busy_home_spills_and_an_idle_one_keeps_its_tenants(engines, make_gateway):
+    gw = await make_gateway(gateway_config(engines))
+    tenants = [text(400) for _ in range(3)]
+    homes: dict[int, set] = {}
+    async with aiohttp.ClientSession() as client:
+        for turn in range(3):           # one request at a time: every home is idle
+            for i, system in enumerate(tenants):
+                a = await send(client, gw, chat(system, f"turn {turn}: " + text(40)))
+                homes.setdefault(i, set()).add(a["upstream"])
+                assert outcome(a) == ("new" if turn == 0 else "home"), a
+        assert all(len(ups) == 1 for ups in homes.values()), homes
+        # a burst of one tenant with long questions: its home takes them until the prefill
+        # queued there costs more than computing the whole prompt on the other engine
+        home = next(iter(homes[0]))
+        answers = await burst(client, gw, [chat(tenants[0], text(250)) for _ in range(12)])
+    at_home = [a for a in answers if a["upstream"] == home]
+    assert len(at_home) >= 2 and len(at_home) <= 10, answers
+    assert {outcome(a) for a in answers if a["upstream"] != home} == {"spill"}, answers
