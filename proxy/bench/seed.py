@@ -45,7 +45,14 @@ from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench import target
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
-from prefixgate.proxy.bench.stats import fmt, reduction, summarize
+from prefixgate.proxy.bench.stats import (
+    WARM_REQUESTS,
+    fmt,
+    percentile,
+    prediction_errors,
+    reduction,
+    summarize,
+)
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.doctor import scrape as pm
 
@@ -103,6 +110,9 @@ STAGES = [
 ]
 
 
+SLOW_STEP_TOKENS = 32
+
+
 @dataclass
 class Workload:
     prompt_tokens: int = 1024        # whole prompt, chat template included
@@ -131,6 +141,13 @@ class Workload:
     seed: int = 0
     block_size: int = 16             # the engines' KV block, in tokens
     index: str = "approximate"       # prefix_route's index in the affinity stage
+    slow_engine: bool = False        # the second engine prefills at about half speed
+
+    def instance_args(self) -> list[list[str]] | None:
+        """Per engine flags: with `slow_engine`, a step budget of SLOW_STEP_TOKENS for the
+        second, which pays a CPU step's fixed cost (about 30 tokens' worth) that often."""
+        return [[], ["--max-num-batched-tokens", str(SLOW_STEP_TOKENS)]] if self.slow_engine \
+            else None
 
     def kv_blocks(self) -> int:
         """Per engine: the prefixes of `cached_tenants` of the tenants next to the in-flight
@@ -183,7 +200,7 @@ def parse_workload(args, w: Workload | None = None) -> Workload:
         w.requests, w.rounds = 30, 1
     w = target.given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
                      seed=args.seed, rounds=args.rounds, policy=args.policy,
-                     think_ms=args.think_ms)
+                     think_ms=args.think_ms, slow_engine=args.slow_engine or None)
     if args.concurrency:
         w.concurrency = args.concurrency[0]
     if args.tiers:
@@ -278,7 +295,8 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
     processes, or `launcher`'s), put the stage's router in front, measure, stop everything."""
     fleet = fleet or Fleet(launcher)
     engines = await target.start_engines(stage.roles(w), fleet.engine_args(stage, w),
-                                         w.engine_threads, fleet.launcher_for(stage, w), model)
+                                         w.engine_threads, fleet.launcher_for(stage, w), model,
+                                         w.instance_args())
     try:
         async with fleet.front(stage, w, engines, timeout, model) as (url, raw), \
                 target.client_session(timeout) as session:
@@ -324,6 +342,13 @@ def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float,
         values = [r[key] for r in rounds if r[key] is not None]
         cell["summary"][key] = round(sum(values) / len(values), 3) if values else None
     cell["summary"]["wall_s"] = round(sum(r["wall_s"] for r in rounds), 3)
+    # each round's gateway learns afresh: its upstreams' first requests are left out per round
+    predicted = [e for run in runs for e in prediction_errors(run["samples"])]
+    cell["summary"].pop("prediction_error_p50", None)
+    cell["summary"].pop("prediction_error_n", None)
+    if predicted:
+        cell["summary"]["prediction_error_p50"] = round(percentile(predicted, 50), 4)
+        cell["summary"]["prediction_error_n"] = len(predicted)
     cell["engines"] = [e for run in runs for e in run["engines"]]
     cell["routes"], cell["kv_events"] = {}, {}
     for run in runs:
@@ -373,7 +398,10 @@ def print_staircase(archive: dict) -> None:
     w = archive["config"]["workload"]
     load = (f"{w['concurrency']} users pausing {w['think_ms'] / 1000:g} s on average"
             if w.get("think_ms") else f"concurrency {w['concurrency']} back to back")
-    print(f"\nseed staircase: {w['engines']} engines on the {archive['config']['model']} model, "
+    slow = (f" (engine1 slowed: step budget {SLOW_STEP_TOKENS})" if w.get("slow_engine")
+            else "")
+    print(f"\nseed staircase: {w['engines']} engines{slow} on the {archive['config']['model']} "
+          f"model, "
           f"{archive['config']['prompt_tokens_built']}-token prompts ({w['shared']:.0%} shared "
           f"by tenant, {w['tenants']} tenants), {load}, {w['max_tokens']} output tokens, "
           f"{w['requests'] * w['rounds']} requests per stage; TTFT in ms, reduction vs "
@@ -398,6 +426,12 @@ def print_staircase(archive: dict) -> None:
               + fmt(cached_share(c), 8, 0) + fmt(100.0 * hits / q if q else None, 6, 0)
               + fmt(misses, 6) + fmt(int(pre), 8)
               + fmt(s["errors"], 5))
+    for c in cells:
+        s = c["summary"]
+        if s.get("prediction_error_p50") is not None:
+            print(f"{c['label']}: predicted_ttft's median |predicted - TTFT| / TTFT "
+                  f"{100 * s['prediction_error_p50']:.1f}% over {s['prediction_error_n']} "
+                  f"requests (each engine's first {WARM_REQUESTS} per round left out)")
 
 
 def cached_share(cell: dict) -> float | None:

@@ -42,12 +42,33 @@ def summarize(samples: list, slo_ttft_s: float) -> dict:
     out["out_tok_per_s"] = round(sum(s.output_tokens for s in ok) / wall, 2) if wall else None
     out["goodput_req_per_s"] = round(good / wall, 3) if wall else None
     out["goodput_frac"] = round(good / len(measured), 4) if measured else None
+    predicted = prediction_errors(samples)
+    if predicted:
+        out["prediction_error_p50"] = round(percentile(predicted, 50), 4)
+        out["prediction_error_n"] = len(predicted)
     timing = server_timing_p50(ok)
     if timing:
         out["server_timing_p50"] = timing
     errors = [s.error for s in measured if s.error]
     if errors:
         out["first_error"] = errors[0]
+    return out
+
+
+WARM_REQUESTS = 50      # an upstream's first answers, while predicted_ttft's fit is learning
+
+
+def prediction_errors(samples: list, warm: int = WARM_REQUESTS) -> list[float]:
+    """|predicted − measured| / measured TTFT of each answered request the gateway predicted
+    (`policy: predicted_ttft`), leaving out each upstream's first `warm` requests."""
+    seen: dict[str, int] = {}
+    out = []
+    for s in sorted(samples, key=lambda s: s.start):
+        if s.upstream is None:
+            continue
+        seen[s.upstream] = n = seen.get(s.upstream, 0) + 1
+        if n > warm and s.ok and s.predicted_ttft_ms is not None and s.ttft > 0:
+            out.append(abs(s.predicted_ttft_ms / 1e3 - s.ttft) / s.ttft)
     return out
 
 

@@ -105,12 +105,13 @@ def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: flo
 
 
 async def start_engines(roles: list[str], args: list[str], threads: int, launcher=None,
-                        model: str = "demo"):
+                        model: str = "demo", instance_args: list[list[str]] | None = None):
     """Bundled engines on `model`, one per role (`launcher`: stand-ins, for tests), each with
-    `threads` torch threads (engines x threads <= cores); started and ready."""
+    `threads` torch threads (engines x threads <= cores) and `args`, engine i also with
+    `instance_args[i]`; started and ready."""
     engines = (launcher or BundledEngines)({
         "model": model, "instances": len(roles), "roles": roles, "host": "127.0.0.1",
-        "args": args, "startup_timeout_s": 600})
+        "args": args, "instance_args": instance_args, "startup_timeout_s": 600})
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)     # inherited by the engines only
     try:

@@ -18,7 +18,7 @@ from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import seed as bench_seed
 from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
-from prefixgate.proxy.bench.stats import percentile
+from prefixgate.proxy.bench.stats import WARM_REQUESTS, percentile
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.tools.helpers import run_cli
 
@@ -263,6 +263,36 @@ async def test_seed_stages_run_behind_the_gateway(capsys, tmp_path):
     saved = json.loads((tmp_path / "seed.json").read_text())
     assert saved["kind"] == "seed" and saved["config"]["workload"]["think_ms"] == 50
     assert (tmp_path / "seed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_seed_reports_how_well_predicted_ttft_predicted(capsys):
+    """The route header's prediction against the TTFT the client measured, each engine's first
+    WARM_REQUESTS left out; cache_aware predicts nothing, so its stage reports no error."""
+    w = bench_seed.Workload(prompt_tokens=400, tenants=4, requests=110, warmup=6,
+                            concurrency=2, think_ms=0, max_tokens=2, rounds=1)
+    stage = next(s for s in bench_seed.STAGES if s.name == "+affinity routing")
+    cells = {}
+    for policy in ("predicted_ttft", "cache_aware"):
+        w.policy = policy
+        args = bench.parse_args(["--scenario", "seed"])
+        archive = await bench_seed.run_stages(w, [stage], Lengths(load_tokenizer("demo")), args,
+                                              launcher=StandInEngines)
+        bench_seed.print_staircase(archive)
+        cells[policy] = archive["cells"][0]
+    predicted = cells["predicted_ttft"]
+    per_engine = {}
+    for x in predicted["samples"]:
+        per_engine[x["upstream"]] = per_engine.get(x["upstream"], 0) + 1
+        assert x["predicted_ttft_ms"] > 0, x
+    warm = sum(max(n - WARM_REQUESTS, 0) for n in per_engine.values())
+    summary = predicted["summary"]
+    assert summary["prediction_error_n"] == warm > 0, per_engine
+    assert 0 <= summary["prediction_error_p50"] < 1
+    assert "prediction_error_p50" not in cells["cache_aware"]["summary"]
+    assert all(x["predicted_ttft_ms"] is None for x in cells["cache_aware"]["samples"])
+    out = capsys.readouterr().out
+    assert f"median |predicted - TTFT| / TTFT {100 * summary['prediction_error_p50']:.1f}% " \
+           f"over {warm} requests" in out
 
 
 async def test_every_request_of_a_run_is_its_own(make_standin):
