@@ -27,11 +27,9 @@ class CacheAware(PrefixScorer):
     policy = "cache_aware"
 
     def __init__(self, gw, keys: PrefixKeys, cfg: dict, index):
-        super().__init__(gw, keys, cfg["kv_saturation"])
+        super().__init__(gw, keys, cfg)
         self.index = index           # match(ctx, keys, upstreams) -> {name: leading blocks}
         self.cache_threshold = cfg["cache_threshold"]
-        self.abs_threshold = cfg["balance_abs_threshold"]
-        self.rel_threshold = cfg["balance_rel_threshold"]
 
     def members_changed(self, upstreams) -> None:
         self.index.retain(upstreams)
@@ -49,7 +47,7 @@ class CacheAware(PrefixScorer):
             if m is None:
                 continue
             load = loads[u]
-            if self._overloaded(load, lightest) or self.saturated(u):
+            if self.overloaded(load, lightest) or self.saturated(u):
                 excluded = max(excluded, m)          # overloaded: its cache is not worth it
                 continue
             good.append((u, m))
@@ -62,6 +60,3 @@ class CacheAware(PrefixScorer):
         home_overloaded = excluded > best and excluded / n >= self.cache_threshold
         return self.least_loaded(ctx, upstreams, "balance" if home_overloaded else "new",
                                  loads, matched)
-
-    def _overloaded(self, load: float, lightest: float) -> bool:
-        return load - lightest > self.abs_threshold and load > lightest * self.rel_threshold

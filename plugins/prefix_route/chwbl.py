@@ -17,7 +17,7 @@ class Chwbl(PrefixScorer):
     policy = "chwbl"
 
     def __init__(self, gw, keys: PrefixKeys, cfg: dict):
-        super().__init__(gw, keys, cfg["kv_saturation"])
+        super().__init__(gw, keys, cfg)
         self.load_factor = cfg["load_factor"]
         self.virtual_nodes = cfg["virtual_nodes"]
         self._ring: HashRing | None = None

@@ -13,6 +13,7 @@ as `least_inflight`. The plugin reads its settings and builds its pieces:
                     from the same index, the prefill work queued per upstream
                     (prefill_queue.py) and each upstream's learned speed (ttft_model.py)
     llamacpp.py     `llamacpp_slots`: a llama.cpp slot per prefix family
+    sessions.py     `session:`: a session's requests to one upstream, by rendezvous hashing
     load_poll.py    `poll_metrics_s`: the backends' own load, which every scorer reads
                     through `Upstream.load` (all gateway replicas see it alike)
 
@@ -36,6 +37,7 @@ from prefixgate.plugins.prefix_route.llamacpp import SlotPinning
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
 from prefixgate.plugins.prefix_route.predicted_ttft import PredictedTTFT
 from prefixgate.plugins.prefix_route.scorer import PrefixScorer
+from prefixgate.plugins.prefix_route.sessions import SPEC as SESSION_SPEC
 from prefixgate.proxy.plugin import Need, Plugin
 
 
@@ -74,6 +76,7 @@ SPEC = {
     "prior_tokens_per_second": Key((int, float, type(None)), None, positive),
     "prior_overhead_ms": Key((int, float, type(None)), None, non_negative),
     "fit_half_life_s": Key((int, float), 15.0, positive),   # how fast old answers fade
+    "session": Key(dict, None, nested=SESSION_SPEC),   # session affinity (sessions.py)
     "weight": Key((int, float), 1.0, positive),
 }
 
@@ -101,6 +104,8 @@ class PrefixRoute(Plugin):
                             if self.policy != "chwbl" else None)
         self.scorer = self._scorer(gw)
         self.predicted = self.scorer if isinstance(self.scorer, PredictedTTFT) else None
+        # predicted_ttft learns from a stream's usage event, its last
+        self.keeps_stream_tail = self.predicted is not None
         self.slots = SlotPinning(self.keying, c["llamacpp_slots"]) if c["llamacpp_slots"] else None
         self.blocks = Counter("prefixgate_route_prefix_blocks", "Prompt blocks routed (total) "
                               "and, but for chwbl, found in the chosen upstream's index "

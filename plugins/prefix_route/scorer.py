@@ -7,26 +7,36 @@ request without a key goes to the least loaded upstream (predicted_ttft: the one
 to answer first). Every decision is counted once in `prefixgate_route_decisions{policy,
 outcome}` and told to the client in the `x-prefixgate-route` header (predicted_ttft adds its
 predictions). The scorer also follows the upstream set (discovery, reloads): a policy's
-state about upstreams is rebuilt when the set changes.
+state about upstreams is rebuilt when the set changes. With `session:` (sessions.py), a
+request that names its session goes to the session's upstream first.
 """
 from __future__ import annotations
 
 from prometheus_client import Counter
 
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
+from prefixgate.plugins.prefix_route.sessions import Sessions
 
 
 class PrefixScorer:
     policy = ""             # its `policy:` value: a label of its decisions, the header's start
 
-    def __init__(self, gw, keys: PrefixKeys, kv_saturation: float):
+    def __init__(self, gw, keys: PrefixKeys, cfg: dict):
         self.gw = gw
         self.keys = keys
-        self.kv_saturation = kv_saturation
+        self.kv_saturation = cfg["kv_saturation"]
+        self.abs_threshold = cfg["balance_abs_threshold"]
+        self.rel_threshold = cfg["balance_rel_threshold"]
+        self.sessions = Sessions(cfg["session"]) if cfg["session"] is not None else None
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
-                                 "balance, nokey; predicted_ttft: home, spill, new, nokey)",
-                                 ["policy", "outcome"], registry=gw.registry)
+                                 "balance, nokey; predicted_ttft: home, spill, new, nokey; "
+                                 "any policy: session)", ["policy", "outcome"],
+                                 registry=gw.registry)
+        self.session_routes = Counter("prefixgate_route_sessions", "Requests that named a "
+                                      "session: kept on the session's upstream, or moved off "
+                                      "it (soft mode: saturated or overloaded)", ["outcome"],
+                                      registry=gw.registry) if self.sessions else None
         self._outcomes: dict[str, object] = {}     # outcome -> its counter child, bound once
         self._members = None          # the gw.upstreams list the policy's state was built from
 
@@ -36,9 +46,36 @@ class PrefixScorer:
             self._members = members
             self.members_changed(members)
         keys = self.keys.of(ctx)
+        if self.sessions is not None:
+            session = self.sessions.session_id(ctx)
+            if session is not None:
+                return self.for_session(ctx, keys, self.sessions.upstream(session, upstreams),
+                                        upstreams)
+        return self.by_policy(ctx, keys, upstreams)
+
+    def by_policy(self, ctx, keys: Keys, upstreams) -> dict:
         if not keys.chain and keys.short is None:
             return self.no_key(ctx, upstreams)
         return self.choose(ctx, keys, upstreams)
+
+    def for_session(self, ctx, keys: Keys, home, upstreams) -> dict:
+        """A request of a session: to `home`, its upstream, unless (soft mode) home is
+        saturated or overloaded; then the policy routes it."""
+        if self.sessions.hard or not (self.saturated(home) or self.overloaded(
+                home.load, min(u.load for u in upstreams))):
+            return self.session_kept(ctx, keys, home)
+        self.session_moved(ctx)
+        return self.by_policy(ctx, keys, upstreams)
+
+    def session_kept(self, ctx, keys: Keys, home) -> dict:
+        ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), session="kept")
+        self.session_routes.labels("kept").inc()
+        self.decided(ctx, "session")
+        return {home: 1.0}
+
+    def session_moved(self, ctx) -> None:
+        ctx.route_info["session"] = "moved"
+        self.session_routes.labels("moved").inc()
 
     def no_key(self, ctx, upstreams) -> dict:
         """The scores for a request without a key (default: the least loaded upstream)."""
@@ -51,6 +88,11 @@ class PrefixScorer:
     def members_changed(self, upstreams) -> None:
         """Rebuild what the policy keeps per upstream for this upstream set."""
         raise NotImplementedError
+
+    def overloaded(self, load: float, lightest: float) -> bool:
+        """More than balance_abs_threshold requests above the lightest, and more than
+        balance_rel_threshold times it (cache_aware's test, and soft sessions')."""
+        return load - lightest > self.abs_threshold and load > lightest * self.rel_threshold
 
     def saturated(self, up) -> bool:
         kv = up.kv_usage
@@ -82,4 +124,6 @@ class PrefixScorer:
             header += f"; matched={info['best_match']}"
         if "predicted_ttft_ms" in info:     # the chosen upstream's, then the runner-up's
             header += f"; predicted_ttft_ms={info['predicted_ttft_ms']}"
+        if "session" in info:
+            header += f"; session={info['session']}"
         ctx.response_headers["x-prefixgate-route"] = header

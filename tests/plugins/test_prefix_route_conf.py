@@ -16,7 +16,8 @@ def buildable(cfg: dict) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("name", ["route-chwbl.yaml", "route-cache-aware.yaml"])
+@pytest.mark.parametrize("name", ["route-chwbl.yaml", "route-cache-aware.yaml",
+                                  "route-predicted-ttft.yaml"])
 def test_route_examples_validate_and_build(name):
     cfg = load(CONF / name)
     gw = Gateway(buildable(cfg))
