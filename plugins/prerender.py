@@ -37,6 +37,7 @@ from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
 PREFIX_ROLES = ("system", "developer")
+WARM_KEY = "prerender.warm"      # ctx.state: the Conversation whose next turn is warmed
 log = logging.getLogger(__name__)
 
 
@@ -201,6 +202,8 @@ class Prerender(Plugin):
         "block_tokens": Key(int, 16, positive),        # the engine's KV block size
         "cache_entries": Key(int, 256, positive),      # distinct prefixes remembered per model
         "inline_chars": Key(int, 8192, non_negative),  # larger uncached work goes to a thread
+        "warm_next_turn": Key(bool, False),            # warm the history for the next turn
+        "warm_answer_bytes": Key(int, 1 << 20, positive),   # longer streamed answers: not warmed
     }
     # a chat's token ids and their block-hash chain: the keys the engine's prefix cache uses
     provides = frozenset({"tokens", "block_tokens", "block_hashes"})
@@ -241,6 +244,9 @@ class Prerender(Plugin):
                                ["result"], registry=reg)
         self.tokens = Counter("prefixgate_prerender_tokens", "Prompt tokens, by whether they "
                               "came from the prefix cache", ["source"], registry=reg)
+        if self.cfg["warm_next_turn"]:      # hooks of their own: nothing on the path without
+            self.on_chunk = self._keep_answer
+            self.on_finish = self._warm_next_turn
 
     @property
     def cache(self) -> PromptCache:
@@ -269,6 +275,8 @@ class Prerender(Plugin):
             ctx.tokens, ctx.block_hashes = r.tokens, r.block_hashes
             ctx.block_tokens = cache.block_tokens
             self.lookups.labels(r.cache).inc()
+            if self.cfg["warm_next_turn"]:
+                ctx.state[WARM_KEY] = Conversation(cache, body, [])
             return
         ids = prompt_token_ids(body)
         prompt = body.get("prompt")
@@ -307,3 +315,79 @@ class Prerender(Plugin):
         if size <= self.cfg["inline_chars"]:
             return fn(*args, **kwargs)
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # --- next-turn warming (proxy/warm.py) -------------------------------------------------
+    def _keep_answer(self, ctx, chunk: bytes) -> None:
+        conv = ctx.state.get(WARM_KEY)
+        if conv is not None:
+            conv.size += len(chunk)
+            if conv.size <= self.cfg["warm_answer_bytes"]:
+                conv.chunks.append(chunk)
+
+    def _warm_next_turn(self, ctx, error) -> None:
+        """The answer has ended: warm the conversation it extends, on the upstream that
+        computed its prompt (a P/D pair: the prefill upstream)."""
+        conv = ctx.state.get(WARM_KEY)
+        up = ctx.prefill_upstream or ctx.upstream
+        if conv is None or error is not None or ctx.status != 200 or up is None \
+                or conv.size > self.cfg["warm_answer_bytes"]:
+            return
+
+        async def render() -> list[int] | None:
+            reply = answer_message(ctx.answer, conv.chunks)
+            if reply is None:
+                return None
+            body = conv.body
+            messages = [flatten(m) for m in body["messages"]] + [reply]
+            kwargs = body.get("chat_template_kwargs")
+            try:
+                r = await self._maybe_thread(
+                    sum(len(str(m.get("content") or "")) for m in messages),
+                    conv.cache.render, messages, body.get("tools"), False,
+                    dict(kwargs) if isinstance(kwargs, dict) else {})
+            except ValueError:        # the template will not end on an assistant turn
+                return None
+            return r.tokens
+        self.gw.warmer.next_turn(up, ctx.model, ctx.request_id, render)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A chat request's rendering inputs and its streamed answer, kept to warm its next turn."""
+    cache: PromptCache
+    body: dict
+    chunks: list[bytes]
+    size: int = 0
+
+
+def answer_message(answer: dict | None, chunks: list[bytes]) -> dict | None:
+    """The assistant message a chat answer adds to the conversation, as the client will send
+    it back: from a whole answer's first choice, or a stream's content deltas (None: a stream
+    with tool calls, whose exact message the client assembles, or nothing usable)."""
+    if answer is not None:
+        choices = answer.get("choices")
+        message = choices[0].get("message") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        if not isinstance(message, dict):
+            return None
+        reply = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        return reply
+    text = []
+    for event in b"".join(chunks).split(b"\n\n"):
+        data = event.strip()
+        if not data.startswith(b"data:") or data[5:].strip() == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(data[5:])
+        except ValueError:
+            return None
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if choice.get("index", 0) != 0 or delta.get("tool_calls"):
+                return None
+            if isinstance(delta.get("content"), str):
+                text.append(delta["content"])
+    return {"role": "assistant", "content": "".join(text)} if text else None
+

@@ -17,15 +17,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prefixgate.common import server_timing
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import encode_body, json_errors_middleware, parse_json_object
-from prefixgate.proxy import guard, pd, route, token_forward
+from prefixgate.proxy import guard, pd, response_ids, route, token_forward, warm
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.config import reload
 from prefixgate.proxy.context import RequestContext
-from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, ResponseStore, passthrough
+from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, passthrough
 from prefixgate.proxy.exchange import HOP_BY_HOP, RETRY_STATUSES, Attempt, UpstreamFailed, may_retry
 from prefixgate.proxy.observe import breakdown, usage
 from prefixgate.proxy.observe.observer import Observer
+from prefixgate.proxy.rate_limits import RateLimits
 from prefixgate.proxy.upstream import h1pool, multipart
 from prefixgate.proxy.upstream.discovery import Discovery
 from prefixgate.proxy.upstream.health import Health
@@ -36,6 +37,7 @@ log = logging.getLogger("prefixgate")
 # the upstream's own, replaced by the gateway's (Server-Timing: extended with its entries)
 REPLACED_ANSWER_HEADERS = frozenset({"date", "server", "server-timing"})
 STREAM_TAIL_CHUNKS = 3     # a stream's last chunks kept: its usage event is the last one
+PREVIOUS_RESPONSE = "previous_response"   # ctx.state: (client's id, upstream's) it continues
 
 
 class EventStreamResponse(web.StreamResponse):
@@ -61,12 +63,14 @@ class Gateway:
         self.health = Health(config["health"], self)
         self.discovery = Discovery(config.get("discovery"), self)
         self.auth = Auth(config["auth"])
+        self.limits = RateLimits(config["rate_limits"], self.auth.keys)
         self.plugin_owned: dict = {}        # plugin -> (its collectors, its connect hooks)
         self.plugin_keys: list = []         # [(config key, plugin)] in chain order
         self.chain = build_chain(self, config["plugins"])
-        self.responses = ResponseStore()
+        self.response_ids = response_ids.ResponseIds(config["responses"])
         # the access log and traces (None when neither is configured: nothing on the path)
         self.observer = Observer.from_config(config)
+        self.warmer = warm.Warmer(self.registry, self.observer)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,6 +90,8 @@ class Gateway:
         await self.health.close()
         for up in self.upstreams:
             await up.close()
+        await self.limits.close()
+        await self.warmer.close()
         if self.observer is not None:
             await asyncio.to_thread(self.observer.close)
 
@@ -230,12 +236,34 @@ class Gateway:
         upstream a stored response pins the request to."""
         self._authenticate(ctx)
         await self._read(request, ctx)
+        await self.limits.admit(ctx)             # per model too: after the body names it
+        if ctx.endpoint.prompt and warm.requested(ctx):
+            warm.prepare(ctx)                    # its prompt alone is computed
         if ctx.endpoint.responses:
-            stored = (request.match_info.get("response_id")
-                      or ctx.body.get("previous_response_id"))
-            if isinstance(stored, str):
-                ctx.pin = self.responses.owner(stored)
+            self._follow_response(request, ctx)
         ctx.stamp("parsed")
+
+    def _follow_response(self, request: web.Request, ctx: RequestContext) -> None:
+        """A read, cancel or follow-up of a stored response: pinned to the upstream its id
+        names, which is sent its own id (proxy/response_ids.py)."""
+        in_path = request.match_info.get("response_id")
+        client_id = in_path or ctx.body.get("previous_response_id")
+        if not isinstance(client_id, str):
+            return
+        found = self.response_ids.unwrap(client_id, self.upstreams)
+        if found is None:
+            return
+        ctx.pin, upstream_id = found
+        if in_path is not None:
+            ctx.target = ctx.endpoint.path.format(response_id=quote(upstream_id, safe=""))
+        else:
+            ctx.body["previous_response_id"] = upstream_id
+            ctx.body_changed = True
+            ctx.state[PREVIOUS_RESPONSE] = (client_id, upstream_id)
+
+    def _response_ids_for(self, ctx: RequestContext, up: Upstream) -> response_ids.Rewriter:
+        return response_ids.Rewriter(self.response_ids, up.name,
+                                     ctx.state.get(PREVIOUS_RESPONSE))
 
     async def _route(self, ctx: RequestContext) -> None:
         """The request's flow (plain or P/D) and upstream, then its slot there (an `admit`
@@ -247,12 +275,12 @@ class Gateway:
             await hook(ctx)
         ctx.stamp("admitted")
 
-    @staticmethod
-    def _finish(ctx: RequestContext, error: BaseException | None) -> None:
-        """The on_finish hooks (the access log line and the span end follow, in the
-        observer's middleware)."""
+    def _finish(self, ctx: RequestContext, error: BaseException | None) -> None:
+        """The key's tokens counted, the on_finish hooks (the access log line and the span
+        end follow, in the observer's middleware)."""
         ctx.stamp("done")
         ctx.chain.active -= 1
+        self.limits.charge(ctx)
         for hook in ctx.chain.on_finish:
             try:
                 hook(ctx, error)
@@ -330,7 +358,6 @@ class Gateway:
         if key is not None:
             ctx.key = key
             ctx.priority = key.priority or 0
-            self.auth.limit(key)
 
     # --- exchange and relay ----------------------------------------------------------------
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -402,8 +429,10 @@ class Gateway:
             raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
         if as_tokens and upstream_resp.status == 200:
             body = encode_body(token_forward.completion_to_chat(answer))
-        if ctx.endpoint.responses and upstream_resp.status == 200:
-            self.responses.learn_whole(body, up.name)
+        if ctx.endpoint.responses and upstream_resp.status == 200 and isinstance(answer, dict):
+            body = encode_body(self._response_ids_for(ctx, up).whole(answer))
+        if ctx.state.get(warm.STATE_KEY) == "api" and upstream_resp.status == 200:
+            body = encode_body(self.warmer.answered(ctx, up.name, answer))
         ctx.stamp("first_byte")
         ctx.client_has_bytes = True
         for hook in ctx.chain.on_first_byte:
@@ -413,14 +442,18 @@ class Gateway:
                             headers=self._response_headers(ctx, upstream_resp))
 
     def _answer(self, ctx, upstream_resp, body: bytes) -> dict | None:
-        """A whole JSON answer, parsed when it is checked (chat/completions) or observed
-        (its usage, model and error message go into ctx)."""
+        """A whole JSON answer, parsed when it is checked (chat/completions), rewritten (the
+        Responses API's ids), observed or counted (its usage, model and error message go
+        into ctx)."""
         if "json" not in upstream_resp.content_type or not (
-                ctx.endpoint.prompt or self.observer is not None):
+                ctx.endpoint.prompt or ctx.endpoint.responses or self.observer is not None
+                or self.limits.counts_tokens):
             return None
-        small = ctx.endpoint.prompt or len(body) <= usage.WHOLE_PARSE_BYTES
+        small = (ctx.endpoint.prompt or ctx.endpoint.responses
+                 or len(body) <= usage.WHOLE_PARSE_BYTES)
         answer = usage.from_body(body) if small else usage.from_large_body(body)
         if answer is not None:
+            ctx.answer = answer
             ctx.usage, model = answer.get("usage"), answer.get("model")
             ctx.response_model = model if isinstance(model, str) else None
             if upstream_resp.status >= 400:
@@ -431,7 +464,8 @@ class Gateway:
                             convert: token_forward.StreamConverter | None = None
                             ) -> web.StreamResponse:
         """Write each upstream chunk to the client as it arrives (`convert`: token-id
-        completions rewritten into chat chunks, event by event)."""
+        completions rewritten into chat chunks, or the Responses API's ids swapped for the
+        client's, event by event)."""
         up, upstream_resp = attempt.up, attempt.resp
         resp = EventStreamResponse(status=upstream_resp.status,
                                    headers=self._response_headers(ctx, upstream_resp))
@@ -439,8 +473,10 @@ class Gateway:
         chain = ctx.chain
         on_chunk = chain.on_chunk
         idle = up.timeouts["idle"]
-        seek_id = b"" if ctx.endpoint.responses else None   # the stream's head, until its id
-        tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if self.observer is not None else None
+        if convert is None and ctx.endpoint.responses:      # the client's response ids
+            convert = self._response_ids_for(ctx, up)
+        keep_tail = self.observer is not None or chain.keeps_tail or self.limits.counts_tokens
+        tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if keep_tail else None
         try:
             ctx.stamp("first_byte")
             ctx.client_has_bytes = True      # from here on the answer is the client's
@@ -455,10 +491,6 @@ class Gateway:
                     tail.append(chunk)
                 for hook in on_chunk:
                     hook(ctx, chunk)
-                if seek_id is not None:
-                    seek_id += chunk
-                    if self.responses.learn_stream(seek_id, up.name) or len(seek_id) > 65536:
-                        seek_id = None
                 if convert is not None:
                     chunk = convert.feed(chunk) + (convert.flush() if upstream_resp.is_eof()
                                                    else b"")

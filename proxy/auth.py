@@ -1,4 +1,5 @@
-"""API keys, per-key rate limits and per-key upstream credentials.
+"""API keys: who may call, with what priority, limits (counted in rate_limits.py) and
+upstream credentials.
 
 Keys are stored only as SHA-256 digests (a config may give `sha256:<hex>` so the plain key
 never sits in a file). A presented key is hashed and compared against every stored digest
@@ -8,17 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prefixgate.common.errors import HTTPError
-from prefixgate.common.schema import ConfigError, Key, check, positive
-
-RATE = {
-    "requests_per_minute": Key((int, float), 60.0, positive),
-    "burst": Key(int, None, positive),     # bucket size; default: 10 seconds' worth, >= 1
-}
+from prefixgate.common.schema import ConfigError, Key, check
+from prefixgate.proxy.rate_limits import RATE, Limit
 
 KEY = {
     "key": Key(str),                                # plain, or "sha256:<64 hex digits>"
@@ -41,7 +36,7 @@ class ApiKey:
     name: str
     priority: int | None
     upstream_headers: dict[str, str]
-    bucket: TokenBucket | None = None
+    limit: Limit | None = None
 
     @property
     def replaced(self) -> frozenset[str]:
@@ -49,34 +44,8 @@ class ApiKey:
         return frozenset(k.lower() for k in self.upstream_headers)
 
 
-@dataclass
-class TokenBucket:
-    rate: float                # tokens per second
-    size: float
-    tokens: float = field(default=0.0)
-    at: float = field(default_factory=time.monotonic)
-
-    def take(self) -> float:
-        """0 when a request may go now, else the seconds until one may."""
-        now = time.monotonic()
-        self.tokens = min(self.size, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
-
-
 def digest_of(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
-def _bucket(rate_cfg: dict | None) -> TokenBucket | None:
-    if rate_cfg is None:
-        return None
-    per_s = rate_cfg["requests_per_minute"] / 60.0
-    size = rate_cfg["burst"] or max(1, math.ceil(per_s * 10))
-    return TokenBucket(per_s, size, tokens=size)
 
 
 def parse_keys(cfg: dict) -> list[ApiKey]:
@@ -100,7 +69,7 @@ def parse_keys(cfg: dict) -> list[ApiKey]:
             digest = digest_of(raw)
         keys.append(ApiKey(digest, entry["name"] or f"key{i}", entry["priority"],
                            {str(k): str(v) for k, v in entry["upstream_headers"].items()},
-                           _bucket(entry["rate_limit"] or cfg["rate_limit"])))
+                           Limit.of(entry["rate_limit"] or cfg["rate_limit"])))
     if not keys:
         raise ConfigError("auth.api_keys", "must list at least one key")
     return keys
@@ -117,17 +86,10 @@ def validate(raw) -> dict | None:
 class Auth:
     """Checks `Authorization: Bearer <key>` on /v1/ requests; None config = open gateway."""
 
-    def __init__(self, cfg: dict | None, old: Auth | None = None):
+    def __init__(self, cfg: dict | None):
         self.cfg = cfg
         self.keys = parse_keys(cfg) if cfg else []
         self.forward = cfg["forward_auth"] if cfg else True
-        if old is not None:       # a reload keeps rate-limit state of unchanged keys
-            before = {k.digest: k.bucket for k in old.keys}
-            for k in self.keys:
-                b = before.get(k.digest)
-                if b is not None and k.bucket is not None and (b.rate, b.size) == (
-                        k.bucket.rate, k.bucket.size):
-                    k.bucket = b
 
     @property
     def enabled(self) -> bool:
@@ -152,16 +114,6 @@ class Auth:
         if found is None:
             raise _unauthorized("invalid API key")
         return found
-
-    @staticmethod
-    def limit(key: ApiKey) -> None:
-        if key.bucket is None:
-            return
-        wait = key.bucket.take()
-        if wait:
-            raise HTTPError(429, f"rate limit exceeded for API key {key.name!r}",
-                            code="rate_limit_exceeded",
-                            headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
 
 def _unauthorized(message: str) -> HTTPError:

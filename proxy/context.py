@@ -55,6 +55,7 @@ class RequestContext:
     # the answer (proxy/usage.py): the last chunks of a stream, where its usage event is
     tail: Any = None
     usage: dict | None = None                  # the upstream's `usage`
+    answer: dict | None = None                 # a whole JSON answer, where it was parsed
     response_model: str | None = None          # the model the upstream says answered
     bytes_out: int = 0                         # body bytes relayed to the client
     error: str | None = None                   # why it failed (status >= 400, mid-stream)

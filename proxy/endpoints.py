@@ -4,17 +4,13 @@ Every endpoint is routed by the body's `model` (the core's model filter) with th
 streaming, limits, auth, health, retries and metrics. The prompt plugins (normalize,
 prerender, ...) rewrite chat and completion prompts only. The Responses API keeps state on
 the server that created a response (vLLM holds it in memory), so its reads and follow-ups go
-back there: `ResponseStore` remembers response id -> upstream from the answers that pass
-through. Native paths (SGLang's and TGI's /generate, llama.cpp's /completion) are proxied
-only when listed under `passthrough:`; anything else is 404, never an open proxy.
+back there: the ids the client sees name their upstream (response_ids.py). Native paths
+(SGLang's and TGI's /generate, llama.cpp's /completion) are proxied only when listed under
+`passthrough:`; anything else is 404, never an open proxy.
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-
-from prefixgate.proxy.lru import LRU
 
 
 @dataclass(frozen=True)
@@ -54,33 +50,3 @@ def passthrough(paths: list[str]) -> tuple[Endpoint, ...]:
     """`passthrough:` paths: POSTed bodies forwarded as they are (routed by a JSON `model`
     when the body has one)."""
     return tuple(Endpoint(p, body="raw") for p in paths)
-
-
-# the first response id in a Responses API answer or stream (`response.created` comes first)
-_STREAM_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
-
-
-class ResponseStore:
-    """response id -> the name of the upstream that created it (bounded, least recent out)."""
-
-    def __init__(self, capacity: int = 100_000):
-        self.owners: LRU[str, str] = LRU(capacity)
-
-    def owner(self, response_id: str) -> str | None:
-        return self.owners.get(response_id)
-
-    def learn_whole(self, body: bytes, upstream: str) -> None:
-        try:
-            answer = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return
-        if isinstance(answer, dict) and isinstance(answer.get("id"), str):
-            self.owners.put(answer["id"], upstream)
-
-    def learn_stream(self, chunk: bytes, upstream: str) -> bool:
-        """Look for the response id in a chunk of the event stream; True once found."""
-        m = _STREAM_ID.search(chunk)
-        if m is None:
-            return False
-        self.owners.put(m.group(1).decode("utf-8", "replace"), upstream)
-        return True

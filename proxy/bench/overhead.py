@@ -11,6 +11,11 @@ process; this process is the client. Prints medians over rounds and ratios vs ng
 `gateway+trace` (tracing at sample ratio 1.0 to a live OTLP/HTTP receiver in its own process,
 which acknowledges each export without decoding it: a collector's parsing is its own CPU, on
 another machine in production), reported against the plain gateway of the same round.
+
+`--limits` adds three gateways with an API key (every request of every target carries it):
+`gateway+key` (the key, no limit), `gateway+limit` (a requests- and tokens-per-minute limit
+counted in the replica) and `gateway+redis` (the same limit counted in a `redis-server` on
+loopback, started here), the last two reported against `gateway+key`: the limit's own cost.
 """
 from __future__ import annotations
 
@@ -62,6 +67,10 @@ http {{
 
 BODY = {"model": "standin-model", "stream": True, "max_tokens": 1,
         "messages": [{"role": "user", "content": "ping"}]}
+API_KEY = "sk-overhead-bench-key"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+LIMIT = "{requests_per_minute: 100000000, tokens_per_minute: 100000000000}"
+BASELINE = {"gateway+limit": "gateway+key", "gateway+redis": "gateway+key"}   # else: gateway
 
 
 def spawn(cmd: list[str], **kw) -> subprocess.Popen:
@@ -70,8 +79,7 @@ def spawn(cmd: list[str], **kw) -> subprocess.Popen:
 
 async def one_request(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
     t0 = time.perf_counter()
-    async with session.post(url, data=payload,
-                            headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=payload, headers=HEADERS) as r:
         first = await r.content.readany()
         ttft = time.perf_counter() - t0
         if r.status != 200 or not first:
@@ -120,7 +128,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
-                  observe: bool = False) -> tuple[dict, list, dict]:
+                  observe: bool = False, limits: bool = False) -> tuple[dict, list, dict]:
     """Start the upstream, nginx and the gateway(s); return their URLs, processes and the pid
     whose CPU counts as each target's proxy cost (none for direct)."""
     procs, targets, pids = [], {}, {}
@@ -143,6 +151,8 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
         extras["gateway+log"] = f"access_log: {{path: '{tmp / 'access.log'}', format: json}}\n"
         extras["gateway+trace"] = (f"tracing: {{otlp_endpoint: 'http://127.0.0.1:{otlp_port}',"
                                    f" sample_ratio: 1.0}}\n")
+    if limits:
+        extras.update(limit_gateways(procs))
     for name, extra in extras.items():
         port = free_port("127.0.0.1")
         cfg = tmp / f"{name}.yaml"
@@ -157,6 +167,23 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
     return targets, procs, pids
 
 
+def limit_gateways(procs: list) -> dict[str, str]:
+    """The `--limits` gateways' config lines (a redis-server started for the last one)."""
+    key = f"auth: {{api_keys: [{{key: {API_KEY}, rate_limit: {LIMIT}}}]}}\n"
+    extras = {"gateway+key": f"auth: {{api_keys: [{API_KEY}]}}\n", "gateway+limit": key}
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        print("redis-server not found (apt-get install redis-server): no gateway+redis",
+              file=sys.stderr)
+        return extras
+    port = free_port("127.0.0.1")
+    procs.append(spawn([redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no"]))
+    extras["gateway+redis"] = key + (f"rate_limits: {{store: 'redis://127.0.0.1:{port}/0', "
+                                     f"store_timeout_ms: 1000}}\n")
+    return extras
+
+
 async def measure(args) -> dict:
     nginx_bin = None if args.no_nginx else shutil.which("nginx") or (
         "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -164,10 +191,11 @@ async def measure(args) -> dict:
         print("nginx not found (apt-get install nginx): measuring direct and gateway only",
               file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="pg-overhead-") as tmpdir:
-        targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin, args.observe)
+        targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin, args.observe,
+                                             args.limits)
         try:
             for url in targets.values():
-                await wait_ready(url)
+                await wait_ready(url, "/health")    # /v1/models wants the key where one is set
             rounds: dict = {c: {t: [] for t in targets} for c in args.concurrency}
             for r in range(args.rounds):
                 for c in args.concurrency:
@@ -193,14 +221,15 @@ async def measure(args) -> dict:
 
 def report(results: dict) -> str:
     lines = ["| concurrency | target | TTFT p50 (ms) | TTFT p99 (ms) | req/s | p50 − nginx (ms) "
-             "| req/s vs nginx | p50 − gateway (ms) | req/s vs gateway | proxy CPU (µs/req) |",
+             "| req/s vs nginx | p50 − baseline (ms) | req/s vs baseline | proxy CPU (µs/req) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, per in results.items():
-        base, plain = per.get("nginx"), per.get("gateway")
+        base = per.get("nginx")
         for t, m in per.items():
             d = f"{m['p50_ms'] - base['p50_ms']:+.3f}" if base else "–"
             ratio = f"{m['rps'] / base['rps']:.0%}" if base else "–"
-            observed = t.startswith("gateway+")
+            observed = t.startswith("gateway+") and t != "gateway+key"
+            plain = per[BASELINE.get(t, "gateway")]
             dg = f"{m['p50_ms'] - plain['p50_ms']:+.3f}" if observed else "–"
             rg = f"{m['rps'] / plain['rps']:.0%}" if observed else "–"
             lines.append(f"| {c} | {t} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | "
@@ -221,6 +250,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-nginx", action="store_true")
     p.add_argument("--observe", action="store_true",
                    help="also measure the gateway with the access log on and with tracing on")
+    p.add_argument("--limits", action="store_true",
+                   help="also measure the gateway with an API key, with a rate limit, and with "
+                        "the limit counted in Redis")
     p.add_argument("--out", help="save results and settings as JSON")
     args = p.parse_args(argv)
     install_uvloop()

@@ -30,7 +30,7 @@ from prefixgate.common.schema import (
     one_of,
     positive,
 )
-from prefixgate.proxy import auth, pd
+from prefixgate.proxy import auth, pd, rate_limits, response_ids
 from prefixgate.proxy.observe import access_log
 from prefixgate.proxy.upstream import discovery, health
 from prefixgate.proxy.upstream.upstreams import TIMEOUTS, check_upstreams
@@ -91,9 +91,12 @@ TOP = {
         "max_json_depth": Key(int, 64, positive),         # deeper request JSON → 400
         "validate_fields": Key(bool, True),               # 400 for wrong types of core fields
     }),
-    # hardening (proxy/health.py, proxy/auth.py): validated in full by their own specs
+    # hardening (proxy/health.py, proxy/auth.py, proxy/rate_limits.py): validated in full by
+    # their own specs
     "health": Key(dict, dict),
     "auth": Key(dict, None),
+    "rate_limits": Key(dict, dict),    # where the keys' limits are counted: {store: redis://...}
+    "responses": Key(dict, dict),      # {id_secret: ...}: response ids any replica can follow
     "admin_listen": Key(dict, None, nested={
         "host": Key(str, "127.0.0.1"),
         "port": Key(int, REQUIRED, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
@@ -113,6 +116,8 @@ def validate(raw: Any) -> dict:
     cfg["upstreams"] = check_upstreams(cfg["upstreams"], cfg["timeouts"])
     cfg["health"] = check(cfg["health"], health.SPEC, "health")
     cfg["auth"] = auth.validate(cfg["auth"])
+    cfg["rate_limits"] = rate_limits.validate(cfg["rate_limits"])
+    cfg["responses"] = response_ids.validate(cfg["responses"])
     cfg["access_log"] = access_log.validate(cfg["access_log"])
     cfg["tracing"] = tracing.validate(cfg["tracing"])
     if cfg["discovery"] is not None:

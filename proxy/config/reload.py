@@ -14,6 +14,7 @@ import logging
 
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
+from prefixgate.proxy.rate_limits import RateLimits
 
 log = logging.getLogger("prefixgate.reload")
 
@@ -23,7 +24,7 @@ async def apply(gw, cfg: dict) -> None:
     owned = gw.plugin_owned
     old_chain, old_registry, old_hooks = gw.chain, gw.registry, list(gw.on_connect)
     old_entries = list(gw.plugin_keys)
-    new_auth = Auth(cfg["auth"], old=gw.auth)
+    new_auth = Auth(cfg["auth"])
     plugin_hooks = {id(h) for _, hooks in owned.values() for h in hooks}
     reuse: dict = {}
     for key, p in old_entries:
@@ -49,6 +50,9 @@ async def apply(gw, cfg: dict) -> None:
             await p.start()
     gw.chain = chain
     gw.auth = new_auth
+    old_limits, gw.limits = gw.limits, RateLimits(cfg["rate_limits"], new_auth.keys,
+                                                  old=gw.limits)
+    await old_limits.close()            # its store connection, unless the new one took it
     gw.retries = cfg["retries"]
     gw.health.reconfigure(cfg["health"])
     discovery, restart = _discovery_for(gw, cfg)

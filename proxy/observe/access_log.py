@@ -30,7 +30,7 @@ SPEC = {
 # every JSON line has every key (null when unknown), in this order
 FIELDS = ("ts", "request_id", "client", "key", "method", "path", "model", "stream", "status",
           "upstream", "attempts", "route", "pd", "prefill_upstream", "prefill_leg_ms",
-          "moved", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms",
+          "moved", "warm", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms",
           "gateway_ms", "queue_ms", "connect_ms", "upstream_ttft_ms", "engine_queue_ms",
           "prefill_ms", "first_decode_ms", "duration_ms", "bytes_out", "error")
 _WAKE, _STOP = object(), object()

@@ -146,6 +146,7 @@ class Observer:
             "prefill_upstream": ctx.prefill_upstream.name if ctx.prefill_upstream else None,
             "prefill_leg_ms": round(ctx.prefill_s * 1e3, 3) if ctx.prefill_s else None,
             "moved": [f"{m['type']}:{m['label']}" for m in ctx.moved] or None,
+            "warm": ctx.state.get("warm"),          # a warm API request (proxy/warm.py)
             "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
             **breakdown.fields(ctx),
             "duration_ms": round((end - ctx.t["received"]) * 1e3, 3),
@@ -154,6 +155,20 @@ class Observer:
         if fields["error"] is None and fields["status"] >= 400:    # a non-JSON error answer
             fields["error"] = f"HTTP {fields['status']}"
         return fields
+
+    def warm_line(self, request_id: str, wall: float, seconds: float, upstream: str,
+                  model: str | None, status: int, prompt: int | None, cached: int | None,
+                  error: str | None) -> None:
+        """The access-log line of a warm request the gateway sent itself (next-turn warming,
+        proxy/warm.py), `request_id` the request whose answer it warms the next turn of."""
+        if self.log is None:
+            return
+        fields = dict.fromkeys(access_log.FIELDS)
+        fields.update(ts=wall, request_id=f"{request_id}-warm", method="POST",
+                      path="/v1/completions", model=model, stream=False, status=status,
+                      upstream=upstream, attempts=1, warm="next_turn", prompt_tokens=prompt,
+                      cached_tokens=cached, duration_ms=round(seconds * 1e3, 3), error=error)
+        self.log.write(fields)
 
     @staticmethod
     def _plain_fields(request, resp, started, wall, failed) -> dict:
