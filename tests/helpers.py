@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import itertools
 import json
 import re
 import signal
@@ -20,6 +21,7 @@ import torch
 from prefixgate.backend.cli import parse_args
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
 from prefixgate.backend.server import start_server
+from prefixgate.common.runtime import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -204,8 +206,9 @@ class ServerThread:
     loop (as a separate process would), so one server can be shared by a module's tests while
     each test runs on its own loop with a real HTTP client."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], port: int = 0):
         self.argv = argv
+        self.port = port                    # 0: a free one, then the one it got
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -236,16 +239,87 @@ class ServerThread:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            server = await start_server(parse_args(self.argv), host="127.0.0.1", port=0)
+            server = await start_server(parse_args(self.argv), host="127.0.0.1",
+                                        port=self.port)
         except BaseException as e:
             self._error = e
             self._ready.set()
             return
         self.server = server
         self.url = server.url
+        self.port = int(self.url.rsplit(":", 1)[1])
         self._ready.set()
         await self._stop.wait()
         await server.close()
+
+
+class KVEventsEngine(ServerThread):
+    """The engine's server and its KV event publisher (ZMQ, vLLM's format), on ports that stay
+    the engine's across a restart (a new process on the same address, as a supervisor would
+    start it)."""
+
+    def __init__(self, model_dir, block: int, kv_blocks: int, port: int = 0, pub: int = 0,
+                 replay: int = 0):
+        self.pub, self.replay = pub or free_port(), replay or free_port()
+        self.model_dir, self.block, self.kv_blocks = model_dir, block, kv_blocks
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+                  "endpoint": f"tcp://*:{self.pub}", "replay_endpoint": f"tcp://*:{self.replay}"}
+        super().__init__(["--model", str(model_dir), "--dtype", "float32",
+                          "--block-size", str(block), "--num-kv-blocks", str(kv_blocks),
+                          "--step-overhead-tokens", "0", "--kv-events-config",
+                          json.dumps(events)], port)
+
+    @property
+    def kv_events(self) -> dict:
+        """The engine's `kv_events:` entry of a gateway upstream."""
+        return {"endpoint": f"tcp://127.0.0.1:{self.pub}",
+                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv-events"}
+
+    def restarted(self) -> KVEventsEngine:
+        """Stop this engine; a new one on the same HTTP and KV event ports."""
+        self.__exit__(None, None, None)
+        return KVEventsEngine(self.model_dir, self.block, self.kv_blocks, self.port, self.pub,
+                              self.replay).__enter__()
+
+
+class TCPBalancer:
+    """A plain L4 balancer on a loopback port: each new connection goes to the next of
+    `ports` in turn, its bytes piped both ways untouched."""
+
+    def __init__(self, ports: list[int]):
+        self.ports = ports
+        self.turn = itertools.count()
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> TCPBalancer:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _client(self, reader, writer) -> None:
+        port = self.ports[next(self.turn) % len(self.ports)]
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    @staticmethod
+    async def _pipe(reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
 
 
 class Answers:

@@ -6,19 +6,15 @@ the events can tell the gateway where their prefixes are."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 
 import aiohttp
 import pytest
 
-from prefixgate.backend.cli import parse_args
-from prefixgate.backend.server import start_server
 from prefixgate.common.block_hash import block_hash_chain
-from prefixgate.common.runtime import free_port
 from prefixgate.common.tokenizer import Tokenizer
-from tests.helpers import ServerThread, Serving
+from tests.helpers import KVEventsEngine, Serving
 from tests.plugins.helpers import follow_up, tenant
 
 BLOCK = 16
@@ -27,44 +23,8 @@ ROUTE = {"policy": "cache_aware", "index": "kv_events", "block_tokens": BLOCK,
          "kv_events_probe_s": 0.2, "kv_events_timeout_s": 0.5}
 
 
-class Engine(ServerThread):
-    """The HTTP server and its KV event publisher, on ports that stay the engine's across a
-    restart (a new process on the same address, as a supervisor would start it)."""
-
-    def __init__(self, model_dir, port: int = 0, pub: int = 0, replay: int = 0):
-        self.pub, self.replay = pub or free_port(), replay or free_port()
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-                  "endpoint": f"tcp://*:{self.pub}", "replay_endpoint": f"tcp://*:{self.replay}"}
-        super().__init__(["--model", str(model_dir), "--dtype", "float32",
-                          "--block-size", str(BLOCK), "--num-kv-blocks", str(KV_BLOCKS),
-                          "--step-overhead-tokens", "0", "--kv-events-config", json.dumps(events)])
-        self.model_dir, self.port = model_dir, port
-
-    async def _serve(self) -> None:     # ServerThread's, on `self.port`
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            self.server = await start_server(parse_args(self.argv), host="127.0.0.1",
-                                             port=self.port)
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self.url = self.server.url
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self._ready.set()
-        await self._stop.wait()
-        await self.server.close()
-
-    @property
-    def kv_events(self) -> dict:
-        return {"endpoint": f"tcp://127.0.0.1:{self.pub}",
-                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv-events"}
-
-    def restarted(self) -> Engine:
-        """Stop this engine; a new one on the same HTTP and KV event ports."""
-        self.__exit__(None, None, None)
-        return Engine(self.model_dir, self.port, self.pub, self.replay).__enter__()
+def Engine(model_dir, port: int = 0, pub: int = 0, replay: int = 0) -> KVEventsEngine:
+    return KVEventsEngine(model_dir, BLOCK, KV_BLOCKS, port, pub, replay)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

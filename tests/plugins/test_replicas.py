@@ -1,0 +1,120 @@
+"""Three gateway replicas behind a round-robin TCP balancer (tests/helpers.py), sharing nothing
+but their config, in front of two bundled engines that publish their KV events over ZMQ, and
+two stand-ins for the Responses API (which the bundled engine does not serve). Every request
+opens a connection of its own, so consecutive requests reach different replicas; whichever
+one a request reaches, exact routing agrees (each replica builds the same index from the
+engines' events), a session stays on one engine, and a response is followed to its
+upstream."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.helpers import KVEventsEngine, TCPBalancer
+from tests.plugins.helpers import follow_up, metrics, sample, tenant
+
+BLOCK, KV_BLOCKS = 16, 64
+SECRET = "the fleet's response id secret"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    started = [KVEventsEngine(tiny_llama_dir, BLOCK, KV_BLOCKS).__enter__() for _ in range(2)]
+    yield started
+    for e in started:
+        e.__exit__(None, None, None)
+
+
+def config(engines, standins, model_dir, engine_model: str) -> dict:
+    return {
+        "upstreams": [*({"name": f"e{i}", "url": e.url, "kv_events": e.kv_events}
+                        for i, e in enumerate(engines)),
+                      *({"name": f"s{i}", "url": s.url} for i, s in enumerate(standins))],
+        "models": {engine_model: {"tokenizer": str(model_dir)}},
+        "health": {"interval_s": 0.1, "eject_s": 0.2, "healthy_threshold": 1},
+        "responses": {"id_secret": SECRET},
+        "plugins": [{"prerender": {"block_tokens": BLOCK}},
+                    {"prefix_route": {"policy": "cache_aware", "index": "kv_events",
+                                      "block_tokens": BLOCK, "kv_events_probe_s": 0.2,
+                                      "kv_events_timeout_s": 0.5, "session": {}}}]}
+
+
+async def until(cond, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached"
+        await asyncio.sleep(0.02)
+
+
+def feeds_of(gw):
+    return next(p for p in gw.gateway.chain.plugins if p.name == "prefix_route").feeds
+
+
+async def post(client, url, path, body, headers=None) -> tuple[dict, dict]:
+    async with client.post(url + path, json=body, headers=headers or {}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json(), r.headers
+
+
+async def test_three_replicas_agree_whichever_one_a_request_reaches(
+        engines, tiny_llama_dir, make_standin, make_gateway):
+    standins = [await make_standin(models=["m"]) for _ in range(2)]
+    async with aiohttp.ClientSession() as plain:
+        async with plain.get(engines[0].url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        # two tenants cached by the engines directly, past every gateway
+        for engine, name in zip(engines, "AB"):
+            await post(plain, engine.url, "/v1/chat/completions",
+                       {"model": model, "messages": tenant(name), "max_tokens": 1})
+    replicas = [await make_gateway(config(engines, standins, tiny_llama_dir, model))
+                for _ in range(3)]
+    for gw in replicas:
+        await until(lambda gw=gw: feeds_of(gw).live == {"e0", "e1"}, what="feeds live")
+    balancer = await TCPBalancer([int(gw.url.rsplit(":", 1)[1]) for gw in replicas]).start()
+    url = balancer.url
+    one_connection_each = aiohttp.TCPConnector(force_close=True)
+    try:
+        async with aiohttp.ClientSession(connector=one_connection_each) as client:
+            for _ in range(3):          # exact routing: each tenant to the engine holding it
+                for engine, name in (("e0", "A"), ("e1", "B")):
+                    _, h = await post(client, url, "/v1/chat/completions", {
+                        "model": model, "messages": follow_up(tenant(name)), "max_tokens": 1})
+                    assert h["x-prefixgate-upstream"] == engine
+                    assert "outcome=cache" in h["x-prefixgate-route"], h["x-prefixgate-route"]
+            homes: dict[str, set] = {}
+            for turn in range(3):       # sessions: one engine each, on every replica
+                for s in range(8):
+                    _, h = await post(client, url, "/v1/chat/completions", {
+                        "model": model, "max_tokens": 1,
+                        "messages": [{"role": "user", "content": f"session {s} turn {turn}"}]},
+                        {"x-session-id": f"agent-{s}"})
+                    homes.setdefault(f"agent-{s}", set()).add(h["x-prefixgate-upstream"])
+            answer, h = await post(client, url, "/v1/responses", {"model": "m", "input": "hi"})
+            owner, last = h["x-prefixgate-upstream"], answer["id"]
+            for turn in range(4):       # Responses follow-ups land where the response lives
+                answer, h = await post(client, url, "/v1/responses", {
+                    "model": "m", "input": f"turn {turn}", "previous_response_id": last})
+                assert h["x-prefixgate-upstream"] == owner
+                assert answer["previous_response_id"] == last
+                last = answer["id"]
+            async with client.get(url + f"/v1/responses/{last}") as r:
+                assert r.status == 200 and r.headers["x-prefixgate-upstream"] == owner
+                assert (await r.json())["id"] == last
+            per_replica = [await metrics(client, gw) for gw in replicas]
+    finally:
+        await balancer.stop()
+    assert all(len(ups) == 1 for ups in homes.values()), homes
+    assert {up for ups in homes.values() for up in ups} == {"e0", "e1"}, homes
+    # every replica took a share of the requests, and each decided alike
+    for m in per_replica:
+        assert sample(m, "prefixgate_route_decisions_total", policy="cache_aware",
+                      outcome="cache") >= 1
+        assert sample(m, "prefixgate_route_sessions_total", outcome="kept") >= 4
+    held = json.dumps([s.responses and sorted(s.responses) for s in standins])
+    assert last.split("_", 2)[2] in held
