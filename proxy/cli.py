@@ -73,7 +73,9 @@ POLICIES = {
     "cache_aware": {"prefix_route": {"policy": "cache_aware"}},
     "predicted_ttft": {"prefix_route": {"policy": "predicted_ttft"}},
 }
-DEFAULT_POLICY = "cache_aware"      # SGLang Model Gateway's default --policy too
+# measured best (docs/routing.md, "Predicted-TTFT routing"): on even fleets it keeps every
+# request at its cache home as cache_aware does; on uneven or saturated ones it cuts p95
+DEFAULT_POLICY = "predicted_ttft"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "bounded loads), cache_aware (prefix_route: the prefix index, "
                             "like SGLang's router) or predicted_ttft (prefix_route: the least "
                             "predicted time to first token, speeds learned online). "
-                            f"Default with --upstream: {DEFAULT_POLICY}, "
-                            "as SGLang Model Gateway's; with MODEL: none added")
+                            f"Default with --upstream: {DEFAULT_POLICY}; with MODEL: none "
+                            "added")
     serve.add_argument("--normalize", action="store_true",
                        help="with --upstream or MODEL: put the normalize plugin first "
                             "(moves timestamps and request ids out of the prompt's head; "

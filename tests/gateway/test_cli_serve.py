@@ -28,12 +28,12 @@ def printed(*args) -> dict:
 
 
 @pytest.mark.parametrize("flags,plugins", [
-    ([], [{"prefix_route": {"policy": "cache_aware"}}, METRICS]),    # SGLang's default
+    ([], [{"prefix_route": {"policy": "predicted_ttft"}}, METRICS]),     # measured best
     (["--policy", "round_robin"], [{"round_robin": {}}, METRICS]),
     (["--policy", "least_inflight", "--normalize"],
      [{"normalize": {}}, {"least_inflight": {}}, METRICS]),
     (["--policy", "chwbl"], [{"prefix_route": {"policy": "chwbl"}}, METRICS]),
-    (["--policy", "predicted_ttft"], [{"prefix_route": {"policy": "predicted_ttft"}}, METRICS]),
+    (["--policy", "cache_aware"], [{"prefix_route": {"policy": "cache_aware"}}, METRICS]),
 ])
 def test_print_config_for_upstreams(flags, plugins):
     assert printed("--upstream", "http://10.0.0.1:8000", "--upstream", "https://b.example/",
