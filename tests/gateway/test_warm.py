@@ -138,3 +138,16 @@ async def test_a_warm_request_without_room_is_dropped(engine, tiny_llama_dir, ma
         m = await metrics(client, gw)
     assert sample(m, "prefixgate_warm_requests_total", kind="next_turn", outcome="dropped") == 1
     assert sample(m, "prefixgate_warm_requests_total", kind="next_turn", outcome="warmed") == 0
+
+
+async def test_a_warm_api_request_warms_no_next_turn(engine, tiny_llama_dir, make_gateway):
+    gw = await make_gateway(warm_config(engine, tiny_llama_dir, True))
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gw.url + "/v1/chat/completions", headers={"x-prefixgate-warm": "1"},
+                               json={"messages": [{"role": "user", "content": "warm me"}]}) as r:
+            assert r.status == 200 and (await r.json())["warmed"] is True
+        await asyncio.sleep(0.1)
+        m = await metrics(client, gw)
+    assert sample(m, "prefixgate_warm_requests_total", kind="api", outcome="warmed") == 1
+    assert not any(sample(m, "prefixgate_warm_requests_total", kind="next_turn", outcome=o)
+                   for o in ("warmed", "dropped", "skipped", "failed"))

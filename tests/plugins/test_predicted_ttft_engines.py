@@ -1,8 +1,9 @@
 """prefix_route `policy: predicted_ttft` in front of two real bundled engines (the demo model,
-each its own process with one torch thread), one of them slowed: a step budget of 32 tokens
-(`--max-num-batched-tokens 32`) makes it pay a step's fixed cost (about 30 tokens' worth of
-compute on a CPU core) every 32 prompt tokens instead of every 512, so it prefills at about
-half the other's speed. The gateway is told nothing about either: it learns their speeds from
+each its own process with one torch thread), one of them slowed: a step budget of 16 tokens
+(`--max-num-batched-tokens 16`) makes it pay a step's fixed cost (about 30 tokens' worth of
+compute on a CPU core) every 16 prompt tokens instead of every 512, so it prefills at about
+a third of the other's speed (a margin that holds while another test process shares the
+cores). The gateway is told nothing about either: it learns their speeds from
 their answers (the usage of each stream, the time to its first event)."""
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from prefixgate.proxy.bench.prompts import words
 from tests.plugins.helpers import metrics, sample
 
 MODEL = "demo"
-BUDGETS = {"fast": 512, "slow": 32}     # --max-num-batched-tokens
+BUDGETS = {"fast": 512, "slow": 16}     # --max-num-batched-tokens
 
 
 def start_engine(budget: int) -> tuple[subprocess.Popen, str]:
