@@ -6,6 +6,7 @@
     prefixgate bench --scenario seed --out seed.json      # the staircase, on the demo model
     prefixgate bench --scenario seed --model smollm2      # ... on SmolLM2-135M-Instruct
     prefixgate bench --scenario seed --engine vllm        # ... on two real vLLM servers
+    prefixgate bench --scenario agent --out agent.json    # agents through 3 replicas, warming
 
 Each cell (prompt tier x concurrency, or tier x arrival rate) runs `--warmup` requests that
 are not counted, then `--requests` measured ones, streamed, each timed to its first content
@@ -20,6 +21,7 @@ import secrets
 import sys
 
 from prefixgate.proxy.bench import archive as archive_mod
+from prefixgate.proxy.bench.agent import run_agent
 from prefixgate.proxy.bench.mixed import run_mixed
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.seed import run_seed
@@ -68,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "`prefixgate bench compare A.json B.json` prints ratios.")
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
                                  "is fine)")
-    p.add_argument("--scenario", choices=["seed", "mixed"], help="run a built-in scenario "
-                   "instead, on bundled engines: `seed` is the TTFT staircase; `mixed`: "
-                   "long prompts arriving while other requests decode, with and without "
-                   "prefill/decode disaggregation")
+    p.add_argument("--scenario", choices=["seed", "mixed", "agent"], help="run a built-in "
+                   "scenario instead, on bundled engines: `seed` is the TTFT staircase; "
+                   "`mixed`: long prompts arriving while other requests decode, with and "
+                   "without prefill/decode disaggregation; `agent`: multi-turn agent sessions "
+                   "through three gateway replicas, next-turn warming off and on "
+                   "(--concurrency: sessions, --requests: turns, --tiers: tool tokens, "
+                   "--max-tokens: answer tokens, --think-ms: tool time)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models); "
                    "with --scenario, the model the engines run: demo (default), smollm2, a "
                    ".gguf file or a model directory")
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_seed_vllm(args) if args.engine == "vllm" else run_seed(args)
     if args.scenario == "mixed":
         return run_mixed(args)
+    if args.scenario == "agent":
+        return run_agent(args)
     if not args.url:
         parser.error("--url is required (or --scenario seed)")
     try:

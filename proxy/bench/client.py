@@ -36,6 +36,7 @@ class Sample:
     server_timing: dict[str, float] | None = None   # the response's Server-Timing, {name: ms}
     upstream: str | None = None      # x-prefixgate-upstream: where a prefixgate gateway sent it
     predicted_ttft_ms: float | None = None   # the gateway's prediction there (predicted_ttft)
+    text: list[str] | None = None    # the answer's content pieces, when asked for (not archived)
 
     @property
     def ok(self) -> bool:
@@ -51,6 +52,7 @@ class Sample:
     def to_json(self, origin: float) -> dict:
         d = asdict(self)
         d["start"] = round(self.start - origin, 6)
+        del d["text"]
         return d
 
 
@@ -64,8 +66,10 @@ def has_content(event: dict) -> bool:
 
 
 async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
-                      sample: Sample) -> Sample:
-    """POST `body` to `url` with stream=true and fill `sample` with what arrived when."""
+                      sample: Sample, keep_text: bool = False) -> Sample:
+    """POST `body` to `url` with stream=true and fill `sample` with what arrived when (and,
+    with `keep_text`, the answer's text in `sample.text`)."""
+    sample.text = [] if keep_text else None
     sample.start = t0 = time.monotonic()
     last = None
     try:
@@ -133,6 +137,9 @@ def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample
         details = usage.get("prompt_tokens_details") or {}
         s.cached_tokens = details.get("cached_tokens", s.cached_tokens)
         s.output_tokens = usage.get("completion_tokens") or s.output_tokens
+    if s.text is not None:
+        s.text.extend(c["delta"]["content"] for c in obj.get("choices") or ()
+                      if isinstance((c.get("delta") or {}).get("content"), str))
     if has_content(obj) or (last is None and finished(obj)):
         if last is None:
             s.ttft = now - t0

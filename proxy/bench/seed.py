@@ -361,20 +361,20 @@ def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float,
 
 def route_decisions(text: str | None) -> dict[str, float]:
     """The gateway's routing outcomes over the stage, e.g. {'home': 70, 'spill': 10}."""
-    return _summed(text, "prefixgate_route_decisions_total", "outcome")
+    return summed(text, "prefixgate_route_decisions_total", "outcome")
 
 
 def kv_event_stats(text: str | None) -> dict[str, float]:
     """What the gateway took from the engines' KV events over the stage, e.g. {'batches':
     900, 'events': 2400, 'ignored_blocks': 0, 'malformed': 0}; empty where the router read
     no events."""
-    stats = _summed(text, "prefixgate_route_kv_events_received_total", "kind")
+    stats = summed(text, "prefixgate_route_kv_events_received_total", "kind")
     for name in ("ignored_blocks", "malformed"):
-        stats.update(_summed(text, f"prefixgate_route_kv_events_{name}_total", "", name))
+        stats.update(summed(text, f"prefixgate_route_kv_events_{name}_total", "", name))
     return stats
 
 
-def _summed(text: str | None, metric: str, label: str, key: str = "") -> dict[str, float]:
+def summed(text: str | None, metric: str, label: str, key: str = "") -> dict[str, float]:
     """`metric`'s samples summed by the value of `label` (or all under `key`)."""
     out = {}
     for line in (text or "").splitlines():

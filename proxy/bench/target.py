@@ -33,9 +33,10 @@ def auth_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def client_session(timeout_s: float) -> aiohttp.ClientSession:
+def client_session(timeout_s: float, force_close: bool = False) -> aiohttp.ClientSession:
+    """The load generator's client (`force_close`: a connection of its own per request)."""
     # no connection cap: the load generator must never be the queue being measured
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=force_close),
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
@@ -104,14 +105,22 @@ def cell_record(label: str, params: dict, samples: list[Sample], slo_ttft_s: flo
             "samples": [s.to_json(origin) for s in samples]}
 
 
+# each engine publishes its KV events (vLLM's ZMQ format) on free ports of its own
+KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+             "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+
+
 async def start_engines(roles: list[str], args: list[str], threads: int, launcher=None,
-                        model: str = "demo", instance_args: list[list[str]] | None = None):
+                        model: str = "demo", instance_args: list[list[str]] | None = None,
+                        kv_events: bool = False):
     """Bundled engines on `model`, one per role (`launcher`: stand-ins, for tests), each with
     `threads` torch threads (engines x threads <= cores) and `args`, engine i also with
-    `instance_args[i]`; started and ready."""
-    engines = (launcher or BundledEngines)({
-        "model": model, "instances": len(roles), "roles": roles, "host": "127.0.0.1",
-        "args": args, "instance_args": instance_args, "startup_timeout_s": 600})
+    `instance_args[i]`, publishing KV events if asked; started and ready."""
+    cfg = {"model": model, "instances": len(roles), "roles": roles, "host": "127.0.0.1",
+           "args": args, "instance_args": instance_args, "startup_timeout_s": 600}
+    if kv_events:
+        cfg["kv_events_config"] = KV_EVENTS
+    engines = (launcher or BundledEngines)(cfg)
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)     # inherited by the engines only
     try:
