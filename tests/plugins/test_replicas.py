@@ -1,10 +1,11 @@
 """Three gateway replicas behind a round-robin TCP balancer (tests/helpers.py), sharing nothing
 but their config, in front of two bundled engines that publish their KV events over ZMQ, and
-two stand-ins for the Responses API (which the bundled engine does not serve). Every request
-opens a connection of its own, so consecutive requests reach different replicas; whichever
-one a request reaches, exact routing agrees (each replica builds the same index from the
-engines' events), a session stays on one engine, and a response is followed to its
-upstream."""
+two stand-ins for the Responses API (which the bundled engine does not serve), and a vLLM
+prefill/decode pair (stand-ins of vLLM's NixlConnector instances). Every request opens a
+connection of its own, so consecutive requests reach different replicas; whichever one a
+request reaches, exact routing agrees (each replica builds the same index from the engines'
+events), a session stays on one engine, a response is followed to its upstream, and a P/D
+request's two legs pair up."""
 from __future__ import annotations
 
 import asyncio
@@ -14,11 +15,15 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import KVEventsEngine, TCPBalancer
+from prefixgate.proxy.testing.balancer import TCPBalancer
+from prefixgate.proxy.testing.pd_standin import KVStore, VllmDecode, VllmPrefill
+from prefixgate.proxy.testing.standin import Behaviour
+from tests.helpers import KVEventsEngine
 from tests.plugins.helpers import follow_up, metrics, sample, tenant
 
 BLOCK, KV_BLOCKS = 16, 64
 SECRET = "the fleet's response id secret"
+PD_MODEL = "pd-model"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,11 +36,26 @@ def engines(tiny_llama_dir):
         e.__exit__(None, None, None)
 
 
-def config(engines, standins, model_dir, engine_model: str) -> dict:
+@pytest.fixture
+async def pd_pair():
+    """A vLLM prefill and decode stand-in sharing one KV store: (prefill, decode, store)."""
+    kv = KVStore()
+    prefill = await VllmPrefill(Behaviour(tokens=1, models=[PD_MODEL]), kv=kv).start()
+    decode = await VllmDecode(Behaviour(tokens=4, models=[PD_MODEL]), kv=kv).start()
+    yield prefill, decode, kv
+    for s in (prefill, decode):
+        await s.stop()
+
+
+def config(engines, standins, pd_pair, model_dir, engine_model: str) -> dict:
+    prefill, decode, _ = pd_pair
     return {
         "upstreams": [*({"name": f"e{i}", "url": e.url, "kv_events": e.kv_events}
                         for i, e in enumerate(engines)),
-                      *({"name": f"s{i}", "url": s.url} for i, s in enumerate(standins))],
+                      *({"name": f"s{i}", "url": s.url} for i, s in enumerate(standins)),
+                      {"name": "p0", "url": prefill.url, "role": "prefill"},
+                      {"name": "d0", "url": decode.url, "role": "decode"}],
+        "pd": {"protocol": "vllm"},
         "models": {engine_model: {"tokenizer": str(model_dir)}},
         "health": {"interval_s": 0.1, "eject_s": 0.2, "healthy_threshold": 1},
         "responses": {"id_secret": SECRET},
@@ -63,7 +83,7 @@ async def post(client, url, path, body, headers=None) -> tuple[dict, dict]:
 
 
 async def test_three_replicas_agree_whichever_one_a_request_reaches(
-        engines, tiny_llama_dir, make_standin, make_gateway):
+        engines, tiny_llama_dir, make_standin, make_gateway, pd_pair):
     standins = [await make_standin(models=["m"]) for _ in range(2)]
     async with aiohttp.ClientSession() as plain:
         async with plain.get(engines[0].url + "/v1/models") as r:
@@ -72,7 +92,7 @@ async def test_three_replicas_agree_whichever_one_a_request_reaches(
         for engine, name in zip(engines, "AB"):
             await post(plain, engine.url, "/v1/chat/completions",
                        {"model": model, "messages": tenant(name), "max_tokens": 1})
-    replicas = [await make_gateway(config(engines, standins, tiny_llama_dir, model))
+    replicas = [await make_gateway(config(engines, standins, pd_pair, tiny_llama_dir, model))
                 for _ in range(3)]
     for gw in replicas:
         await until(lambda gw=gw: feeds_of(gw).live == {"e0", "e1"}, what="feeds live")
@@ -106,6 +126,13 @@ async def test_three_replicas_agree_whichever_one_a_request_reaches(
             async with client.get(url + f"/v1/responses/{last}") as r:
                 assert r.status == 200 and r.headers["x-prefixgate-upstream"] == owner
                 assert (await r.json())["id"] == last
+            for turn in range(6):       # P/D: the prefill leg's KV reaches the decode leg
+                answer, h = await post(client, url, "/v1/chat/completions", {
+                    "model": PD_MODEL, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"pd {turn}"}]})
+                assert (h["x-prefixgate-pd"], h["x-prefixgate-prefill-upstream"],
+                        h["x-prefixgate-upstream"]) == ("vllm", "p0", "d0")
+                assert answer["usage"]["completion_tokens"] == 4
             per_replica = [await metrics(client, gw) for gw in replicas]
     finally:
         await balancer.stop()
@@ -118,3 +145,5 @@ async def test_three_replicas_agree_whichever_one_a_request_reaches(
         assert sample(m, "prefixgate_route_sessions_total", outcome="kept") >= 4
     held = json.dumps([s.responses and sorted(s.responses) for s in standins])
     assert last.split("_", 2)[2] in held
+    _, decode, kv = pd_pair
+    assert len(decode.pulled) == 6 and kv.held == {}    # every transfer made, none left over
