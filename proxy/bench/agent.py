@@ -4,11 +4,12 @@ replicas, with next-turn warming off and on.
 Each of `sessions` agents runs `turns` turns. Its request carries its agent kind's tool
 definitions (about 2,000 tokens, the same for every session of a kind), its task, and every
 earlier turn's answer and tool result; between turns its tool runs for a pause (exponential,
-`--think-ms`, 1 s on average). Requests go to a plain L4 balancer (proxy/testing/balancer.py)
-that hands each new connection to the next of three gateway replicas, and every request
-opens a connection of its own, so a session's consecutive turns reach different replicas,
-which share nothing: they agree on the session's engine by its `x-session-id` (rendezvous
-hashing) and on what each engine holds by the engines' KV events.
+`--think-ms`, 2 s on average); agents start one after another, 0.5 s apart. Requests go to a
+plain L4 balancer (proxy/testing/balancer.py) that hands each new connection to the next of
+three gateway replicas, and every request opens a connection of its own, so a session's
+consecutive turns reach different replicas, which share nothing: they agree on the session's
+engine by its `x-session-id` (rendezvous hashing) and on what each engine holds by the
+engines' KV events.
 
 Measured per turn from the second on: the share of the turn's history (the conversation up to
 and including the previous answer, as the chat template renders it) that the engine reported
@@ -52,7 +53,8 @@ class AgentWorkload:
     task_tokens: int = 64            # the first user message
     answer_tokens: int = 128         # every answer (ignore_eos)
     tool_result_tokens: int = 256    # appended after every answer
-    think_ms: float = 1000.0         # a tool's run between an answer and the next turn (mean)
+    think_ms: float = 2000.0         # a tool's run between an answer and the next turn (mean)
+    start_gap_ms: float = 500.0      # agent s starts within [s, s + 1) gaps
     replicas: int = 3                # gateway replicas behind the balancer
     engines: int = 2
     engine_threads: int = 1          # torch threads per engine: engines x threads <= cores
@@ -236,9 +238,12 @@ async def agent(session, url: str, s: int, w: AgentWorkload, conversations: Conv
     rng = random.Random(f"{w.seed}:agent:{s}")
     think = w.think_ms / 1000.0
     messages = conversations.start(s)
-    await asyncio.sleep(rng.uniform(0.0, think))        # agents start at random moments
+    gap = w.start_gap_ms / 1000.0          # agent s starts within the s-th gap
+    await asyncio.sleep(gap * (s + rng.random()))
     for turn in range(w.turns):
-        history = conversations.history_tokens(s, messages[:-1]) if turn else 0
+        # (a thread: the replicas share this process's event loop)
+        history = await asyncio.to_thread(conversations.history_tokens, s,
+                                          messages[:-1]) if turn else 0
         body = target.request_body({"messages": messages,
                                     "tools": conversations.tools[s % w.kinds]},
                                    model, w.answer_tokens, True, "chat")
@@ -313,7 +318,8 @@ def print_agent(archive: dict) -> None:
           f"model; {archive['config']['tool_tokens_built']}-token tool definitions "
           f"({w['kinds']} agent kinds), {w['answer_tokens']}-token answers, "
           f"{w['tool_result_tokens']}-token tool results, tool pauses of "
-          f"{w['think_ms'] / 1000:g} s on average; prefix_route {w['policy']} with sessions, "
+          f"{w['think_ms'] / 1000:g} s and starts {w['start_gap_ms'] / 1000:g} s apart on "
+          f"average; prefix_route {w['policy']} with sessions, "
           f"KV events. History cached: the share of each turn's history (the conversation "
           f"through the previous answer) the engine had cached; TTFT in ms over turns 2-"
           f"{w['turns']}")
