@@ -5,6 +5,8 @@ set TRITON_INTERPRET=1 before Triton is first imported.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -19,6 +21,14 @@ def pick_backend(backend: str | None, t: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected auto, torch or triton")
     return backend
+
+
+def runnable_backends(device: str) -> list[str]:
+    """The attention backends the engine can run on `device` ("cpu", "cuda", "cuda:1"): the
+    PyTorch reference everywhere; Triton on CUDA, or on the CPU under its interpreter
+    (TRITON_INTERPRET=1, for tests: far too slow to serve)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return ["torch", "triton"] if device.startswith("cuda") or interpreted else ["torch"]
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

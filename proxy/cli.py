@@ -1,4 +1,4 @@
-"""`prefixgate` command line: serve, backend, verify-weights, bench, doctor."""
+"""`prefixgate` command line: serve, backend, verify-weights, bench, doctor, tune."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,7 @@ DELEGATED = {
     "verify-weights": "check a checkpoint's shards, hashes, keys",
     "bench": "measure TTFT/TPOT/goodput against a URL",
     "doctor": "diagnose TTFT problems of an OpenAI-compatible URL",
+    "tune": "sweep the engine's flags on your prompts against your SLO",
 }
 
 
@@ -137,6 +138,8 @@ def run_delegated(name: str, argv: list[str]) -> int:
         from prefixgate.backend.cli import verify_weights_main as command
     elif name == "bench":
         from prefixgate.proxy.bench.cli import main as command
+    elif name == "tune":
+        from prefixgate.proxy.tune.cli import main as command
     else:
         from prefixgate.proxy.doctor.cli import main as command
     return command(argv) or 0
