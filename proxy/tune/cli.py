@@ -129,7 +129,23 @@ def attention_backends() -> list[str]:
 
 
 def quality_gate(args, w: Workload):
-    return None
+    """The sweep's gate for points that change numerics: the bundled engine with the point's
+    flags against its defaults, on the gate's prompts (proxy/bench/quality.py). Another
+    engine's (--engine-cmd) numerics are not gated: reported, never recommended (--no-gate:
+    recommended untested)."""
+    from prefixgate.proxy.bench.quality import Gate
+    if args.engine_cmd:
+        async def untested(point) -> dict:
+            return {"passed": False, "note": "not gated: the gate runs the bundled engine"}
+        return untested
+    gate = Gate(args.model, [], threads=w.threads, timeout=args.timeout)
+
+    async def check(point) -> dict:
+        try:
+            return await gate.check(point.flags())
+        except RuntimeError as e:           # an engine that would not start or answer
+            return {"passed": False, "note": f"not gated: {e}"}
+    return check
 
 
 def report(archive: dict) -> None:
@@ -160,9 +176,16 @@ def report(archive: dict) -> None:
               + fmt(_pct(s["goodput_frac"]), 6, 0) + fmt(_pct(s["kv_usage_peak"]), 5, 0)
               + fmt(s["preemptions"] if s["preemptions"] is None else int(s["preemptions"]), 8)
               + f"{'yes' if s['meets_slo'] else 'no':>5}"
-              + f"{'-' if gate is None else 'pass' if gate.get('passed') else 'FAIL':>6}")
+              + f"{gate_word(gate):>6}")
     for label in archive["skipped"]:
         print(f"{label:<{width}}  skipped: over the budget")
+    for c in archive["cells"]:
+        gate = c.get("gate") or {}
+        if gate.get("note"):
+            print(f"{c['label']}: {gate['note']}")
+        elif gate and not gate.get("passed"):
+            failed = [k for k, m in gate["metrics"].items() if not m["passed"]]
+            print(f"{c['label']}: below the quality gate on {', '.join(failed)}")
     best = archive["recommended"]
     if best is None:
         print("\nno point met the SLO (and the quality gate): none recommended; try a looser "
@@ -181,6 +204,12 @@ def report(archive: dict) -> None:
               .splitlines()))
 
 
+def gate_word(gate: dict | None) -> str:
+    if gate is None:
+        return "-"
+    return "pass" if gate.get("passed") else "skip" if gate.get("note") else "FAIL"
+
+
 def _tier_key(t: str):
     return (0, int(t)) if t.isdigit() else (1, t)
 
@@ -195,8 +224,10 @@ def plot(archive: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cells = [c for c in archive["cells"] if not c.get("error")]
-    labels = [c["label"].replace(" ", "\n") for c in cells]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, len(cells) * 1.1), 7), sharex=True)
+    # each point by its values alone, the flags' names on the axis
+    labels = ["\n".join(map(str, c["point"].values())) or "defaults" for c in cells]
+    names = " / ".join(next((list(c["point"]) for c in cells if c["point"]), []))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, len(cells) * 0.8), 7), sharex=True)
     best = (archive["recommended"] or {}).get("label")
     colors = ["tab:green" if c["label"] == best else "tab:blue" for c in cells]
     top.bar(labels, [c["summary"]["goodput_req_per_s"] or 0 for c in cells], color=colors)
@@ -206,7 +237,7 @@ def plot(archive: dict, path: str) -> None:
                    label="TTFT SLO")
     bottom.set_ylabel("p99 TTFT (ms)")
     bottom.legend()
-    bottom.tick_params(axis="x", labelsize=7)
+    bottom.set_xlabel(names)
     fig.suptitle(f"prefixgate tune: {archive['config']['model']} (recommended in green)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -255,9 +255,13 @@ async def sweep(points: list[Point], w: Workload, lengths: Lengths, model: str, 
     gates = {}
     if gate is not None:
         for cell, point in zip(cells, todo):
-            if point.numerics() and not cell.get("error") and cell["summary"].get("meets_slo"):
-                print(f"quality gate: {point.label}", file=sys.stderr, flush=True)
-                gates[cell["label"]] = await gate(point)
+            if not point.numerics() or cell.get("error") or not cell["summary"].get("meets_slo"):
+                continue            # (a point that missed the SLO is not recommended anyway)
+            if budget_s is not None and time.monotonic() - started > budget_s:
+                gates[cell["label"]] = {"passed": False, "note": "not gated: over the budget"}
+                continue
+            print(f"quality gate: {point.label}", file=sys.stderr, flush=True)
+            gates[cell["label"]] = await gate(point)
     for cell in cells:
         cell["gate"] = gates.get(cell["label"])
     best = recommend(cells, gates)

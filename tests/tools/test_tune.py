@@ -21,8 +21,10 @@ async def test_tune_measures_each_point_on_a_fresh_engine_and_recommends_one(tmp
     out = tmp_path / "tune.json"
     code, stdout, stderr = await run_cli(
         "tune", *SMALL, "--slo-ttft-ms", "30000",
-        "--grid", "max_num_batched_tokens=32,256", "--out", str(out))
+        "--grid", "max_num_batched_tokens=32,256", "--out", str(out), "--plot",
+        str(tmp_path / "tune.png"))
     assert code == 0, stderr
+    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     archive = json.loads(out.read_text())
     labels = [c["label"] for c in archive["cells"]]
     assert labels == ["defaults", "max_num_batched_tokens=32", "max_num_batched_tokens=256"]
