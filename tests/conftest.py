@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 from dataclasses import dataclass
 
 import aiohttp.web_app
@@ -13,7 +15,7 @@ from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
-from tests.helpers import make_tiny_model
+from tests.helpers import RedisServer, make_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -96,3 +98,15 @@ async def gateway(make_gateway, standin):
     """A gateway with one stand-in upstream named `a`."""
     return await make_gateway({"upstreams": [{"name": "a", "url": standin.url}],
                                "plugins": [{"metrics": {}}]})
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a loopback port, for the test."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed (.ci/run installs Debian's package)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer().start()
+    yield server
+    server.stop()

@@ -9,6 +9,7 @@ import gc
 import json
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -293,3 +294,38 @@ class Answers:
         if isinstance(self.now, Exception):
             raise self.now
         return list(self.now)
+
+
+class RedisServer:
+    """A real redis-server on a loopback port, with nothing saved to disk."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"],
+                                  capture_output=True, text=True)
+            if ping.stdout.strip() == "PONG":
+                return self
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+def whole_minute_ahead(needed_s: float = 8.0) -> None:
+    """The store counts per wall-clock minute: start where the test ends in the same one."""
+    left = 60 - time.time() % 60
+    if left < needed_s:
+        time.sleep(left + 0.05)

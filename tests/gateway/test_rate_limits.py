@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
-import subprocess
-import time
 
 import aiohttp
 import pytest
@@ -18,49 +14,10 @@ from prefixgate.common.runtime import free_port
 from prefixgate.common.schema import ConfigError
 from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.rate_limits import duration
-from tests.helpers import assert_openai_error
+from tests.helpers import assert_openai_error, whole_minute_ahead
 
 KEY, OTHER = "sk-limited-0123456789", "sk-other-0123456789"
 MODEL = "standin-model"
-
-
-class RedisServer:
-    """A real redis-server on a loopback port, with nothing saved to disk."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"],
-                                  capture_output=True, text=True)
-            if ping.stdout.strip() == "PONG":
-                return self
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server():
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (.ci/run installs Debian's package)")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 def config(standin, limit: dict, **rate_limits) -> dict:
@@ -81,13 +38,6 @@ async def ask(client, gw, key: str = KEY, stream: bool = False, words: int = 40)
                            headers={"Authorization": f"Bearer {key}"}) as r:
         raw = await r.read()
         return r.status, (await r.json() if not stream or r.status != 200 else raw), r.headers
-
-
-def whole_minute_ahead(needed_s: float = 8.0) -> None:
-    """The store counts per wall-clock minute: start where the test ends in the same one."""
-    left = 60 - time.time() % 60
-    if left < needed_s:
-        time.sleep(left + 0.05)
 
 
 async def test_tokens_per_minute_counts_usage_and_refuses_the_overrun(make_standin,

@@ -5,7 +5,7 @@ prefill/decode pair (stand-ins of vLLM's NixlConnector instances). Every request
 connection of its own, so consecutive requests reach different replicas; whichever one a
 request reaches, exact routing agrees (each replica builds the same index from the engines'
 events), a session stays on one engine, a response is followed to its upstream, and a P/D
-request's two legs pair up."""
+request's two legs pair up; and three replicas keep one key's requests per minute in one Redis."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ import pytest
 from prefixgate.proxy.testing.balancer import TCPBalancer
 from prefixgate.proxy.testing.pd_standin import KVStore, VllmDecode, VllmPrefill
 from prefixgate.proxy.testing.standin import Behaviour
-from tests.helpers import KVEventsEngine
+from tests.helpers import KVEventsEngine, whole_minute_ahead
 from tests.plugins.helpers import follow_up, metrics, sample, tenant
 
 BLOCK, KV_BLOCKS = 16, 64
@@ -147,3 +147,32 @@ async def test_three_replicas_agree_whichever_one_a_request_reaches(
     assert last.split("_", 2)[2] in held
     _, decode, kv = pd_pair
     assert len(decode.pulled) == 6 and kv.held == {}    # every transfer made, none left over
+
+
+async def test_three_replicas_behind_the_balancer_share_one_budget_in_redis(
+        make_standin, make_gateway, redis_server):
+    standin = await make_standin(tokens=1)
+    key = "sk-agent-fleet-0123456789"
+    cfg = {"upstreams": [{"name": "a", "url": standin.url}],
+           "auth": {"api_keys": [{"key": key, "name": "fleet",
+                                  "rate_limit": {"requests_per_minute": 6}}]},
+           "rate_limits": {"store": redis_server.url, "store_timeout_ms": 2000}}
+    replicas = [await make_gateway(cfg) for _ in range(3)]
+    balancer = await TCPBalancer([int(gw.url.rsplit(":", 1)[1]) for gw in replicas]).start()
+    whole_minute_ahead()
+    try:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as client:
+            answers = []
+            for _ in range(7):          # each through the next replica
+                async with client.post(balancer.url + "/v1/chat/completions", headers={
+                        "Authorization": f"Bearer {key}"}, json={
+                        "model": "standin-model", "max_tokens": 1,
+                        "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    answers.append((r.status, r.headers, await r.json()))
+    finally:
+        await balancer.stop()
+    assert [s for s, _, _ in answers] == [200] * 6 + [429]
+    assert [h["x-ratelimit-remaining-requests"] for _, h, _ in answers] == \
+        ["5", "4", "3", "2", "1", "0", "0"]
+    assert answers[-1][2]["error"]["code"] == "rate_limit_exceeded"
