@@ -24,6 +24,8 @@ class AttentionMetadata:
     max_seq_len: int
     is_decode: bool  # every sequence has exactly one new token
     attention_backend: str | None = None  # "triton", "torch", or None = auto by device
+    # a fault injector for the quality gate's tests (`--debug-kv-mantissa-bits`), None = off
+    kv_mantissa_bits: int | None = None
 
 
 def paged_attention(
@@ -37,6 +39,8 @@ def paged_attention(
     """Store the new keys/values in the paged cache, then attend over everything cached."""
     k_cache, v_cache = kv_cache
     backend = meta.attention_backend
+    if meta.kv_mantissa_bits is not None:
+        k, v = round_mantissa(k, meta.kv_mantissa_bits), round_mantissa(v, meta.kv_mantissa_bits)
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     if meta.is_decode:
         return kernels.paged_decode_attention(
@@ -46,3 +50,12 @@ def paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         backend=backend,
     )
+
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`x` rounded to `bits` explicit mantissa bits (exponent kept): a deliberate loss of
+    precision, below FP8 e4m3's 3 bits when `bits` < 3. Test-only: the planted numeric fault
+    that `prefixgate bench --scenario quality` must catch (never on unless asked for)."""
+    mantissa, exponent = torch.frexp(x.float())        # mantissa in [0.5, 1)
+    steps = float(2 ** (bits + 1))
+    return torch.ldexp(torch.round(mantissa * steps) / steps, exponent).to(x.dtype)

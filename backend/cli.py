@@ -81,6 +81,10 @@ def _kv_cache_flags(p: argparse.ArgumentParser, defaults: EngineArgs) -> None:
                    help="auto | fp8 (e4m3) | float16 | bfloat16 | float32")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's)")
+    # a fault injector, not a feature: the quality gate's tests plant it to check that the gate
+    # catches a KV cache less precise than FP8 (`prefixgate bench --scenario quality`)
+    p.add_argument("--debug-kv-mantissa-bits", type=int, default=None, choices=range(0, 23),
+                   metavar="N", help=argparse.SUPPRESS)
 
 
 def _scheduling_flags(p: argparse.ArgumentParser, defaults: EngineArgs) -> None:
@@ -196,7 +200,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         role=ns.role, kv_transfer_host=ns.kv_transfer_host, kv_transfer_port=ns.kv_transfer_port,
         kv_transfer_timeout=ns.kv_transfer_timeout, speculative_config=speculative_config(ns),
         kv_offloading_size=ns.kv_offloading_size or None,
-        kv_offloading_path=ns.kv_offloading_path, kv_events_config=kv_events_config(ns))
+        kv_offloading_path=ns.kv_offloading_path, kv_events_config=kv_events_config(ns),
+        debug_kv_mantissa_bits=ns.debug_kv_mantissa_bits)
 
 
 def server_args(ns: argparse.Namespace) -> ServerArgs:

@@ -381,6 +381,9 @@ class EngineArgs:
     kv_offloading_size: float | None = None      # GiB of second KV tier; None/0: off
     kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
     kv_events_config: KVEventsConfig | None = None   # vLLM's KV events; None: off
+    # test-only fault injector (the quality gate's planted fault): round stored K/V to this
+    # many mantissa bits; None: off
+    debug_kv_mantissa_bits: int | None = None
 
 
 @dataclass

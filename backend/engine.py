@@ -117,7 +117,8 @@ class LLMEngine:
                                   attention_backend=args.attention_backend,
                                   use_cuda_graphs=not args.enforce_eager,
                                   max_num_seqs=args.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len,
+                                  kv_mantissa_bits=args.debug_kv_mantissa_bits)
         self.kv_tier = self.block_manager.tier = self._kv_tier()
         self.requests: dict[str, _Request] = {}
         self._adds: deque[_Request] = deque()      # filled by the event loop, drained by step()

@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, *, block_size: int, num_blocks: int,
                  kv_cache_dtype: torch.dtype, attention_backend: str | None = None,
                  use_cuda_graphs: bool = True, max_num_seqs: int = 64,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, kv_mantissa_bits: int | None = None):
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -82,12 +82,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_host_memory()
         self.attention_backend = None if attention_backend in (None, "auto") else attention_backend
+        # test-only fault injector (--debug-kv-mantissa-bits): stored K/V lose precision
+        self.kv_mantissa_bits = kv_mantissa_bits
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype, device=self.device),
                            torch.zeros(shape, dtype=kv_cache_dtype, device=self.device))
                           for _ in range(model_config.num_hidden_layers)]
         self.graphs = None
-        if use_cuda_graphs and self.device.type == "cuda":
+        if use_cuda_graphs and self.device.type == "cuda" and kv_mantissa_bits is None:
             max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
             self.graphs = _load_graph_runner(self, max_num_seqs, min(max_blocks, num_blocks))
 
@@ -151,6 +153,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             is_decode=batch.is_decode,
             attention_backend=self.attention_backend,
+            kv_mantissa_bits=self.kv_mantissa_bits,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
