@@ -1,9 +1,12 @@
 """Sampling: per-request parameters, the batched sampler, draft verification, the stop checks.
 
 A batch mixes greedy and random requests. Greedy rows take the argmax; random rows are scaled
-by their temperature, cut by top-k and top-p, and drawn with the exponential-race trick
-(argmax of p / Exp(1) noise) so one batched op samples every row while each row's noise can
-still come from its own seeded generator.
+by their temperature, cut by top-k and top-p, and drawn by inverse CDF with one uniform each,
+from the row's own generator where the request is seeded. Top-k/top-p rows never sort the
+whole vocabulary when their kept set lies among the CANDIDATES highest logits (torch.topk,
+`_kept_sorted`): the same kept set as a full sort, at a fraction of the cost (issue #29,
+bench/sampling.py); the draw then runs over the kept tokens only. (`verify` still draws its
+replacement tokens with the exponential race, argmax of p / Exp(1) noise, over `_filtered_probs`.)
 
 `verify` checks speculative drafts (backend/spec_decode.py) against the target's own
 distributions, so that the output is distributed exactly as without drafts: a greedy row keeps
@@ -58,15 +61,39 @@ class SamplingParams:
         return gen
 
 
+# Top-k/top-p rows look for their kept set among this many highest logits first (torch.topk)
+# and sort the whole row only when it is not there (`_kept_sorted`).
+CANDIDATES = 1024
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token id per row of `logits` [N, vocab] (float32)."""
-    tokens = logits.argmax(dim=-1)
+           generators: list[torch.Generator | None],
+           candidates: int | None = CANDIDATES) -> list[int]:
+    """One token id per row of `logits` [N, vocab] (float32).
+
+    `candidates=None` is the full-sort path the sampler had before (issue #29): every filtered
+    row sorted whole, full-vocabulary probabilities, the exponential race over all of them. It
+    keeps exactly the same tokens as the default path and stays for bench/sampling.py and the
+    tests."""
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rand_rows:
-        idx = torch.tensor(rand_rows, device=logits.device)
-        probs = _filtered_probs(logits[idx], [params[i] for i in rand_rows])
-        tokens[idx] = _race(probs, [generators[i] for i in rand_rows])
+    if not rand_rows:
+        return logits.argmax(dim=-1).tolist()
+    dev = logits.device
+    gens = [generators[i] for i in rand_rows]
+    rand_params = [params[i] for i in rand_rows]
+    if len(rand_rows) == len(params):
+        rows, tokens, idx = logits, None, None
+    else:
+        idx = torch.tensor(rand_rows, device=dev)
+        rows = logits[idx]
+        tokens = logits.argmax(dim=-1)
+    if candidates is None:
+        drawn = _race(_filtered_probs(rows, rand_params, candidates=None), gens)
+    else:
+        drawn = _draw(rows, rand_params, gens, candidates)
+    if tokens is None:
+        return drawn.tolist()
+    tokens[idx] = drawn
     return tokens.tolist()
 
 
@@ -136,33 +163,162 @@ def _verify_random(logits, drafts, params, generators, starts, rand, out) -> Non
         out[i].append(tok)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device,
+                         dtype=logits.dtype)
+    return logits / temps.unsqueeze(1)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = logits.shape[-1]
+def _cuts(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p removes anything from a row of `vocab` tokens."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams],
+          generators: list[torch.Generator | None], candidates: int) -> torch.Tensor:
+    """One token per row (all random rows), by inverse CDF over the row's kept set: rows that
+    top-k/top-p cut over their kept head in sorted order (`_kept_sorted`), the others over the
+    whole vocabulary."""
+    n, vocab = logits.shape
     dev = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=dev).unsqueeze(1)
-    drop = ranks >= k
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest head whose mass reaches top_p: drop a token when the mass *before* it
-    # already reaches p. The first token is always kept.
-    mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=dev, dtype=probs.dtype).unsqueeze(1)
-    drop |= mass_before >= p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+    scaled = _scaled(logits, params)
+    out = torch.empty(n, dtype=torch.long, device=dev)
+    cut = [i for i, p in enumerate(params) if _cuts(p, vocab)]
+    plain = [i for i, p in enumerate(params) if not _cuts(p, vocab)]
+    if plain:
+        x = scaled if len(plain) == n else scaled[torch.tensor(plain, device=dev)]
+        w = x.sub_(x.max(dim=-1, keepdim=True).values).exp_()      # x is ours to overwrite
+        full = torch.full((len(plain),), vocab, device=dev)
+        out[plain] = _inverse_cdf(w, full, [generators[i] for i in plain])
+    if cut:
+        cut_idx = torch.tensor(cut, device=dev)
+        sub = scaled if len(cut) == n else scaled[cut_idx]
+        groups = _kept_sorted(sub, [params[i].top_k for i in cut], [params[i].top_p for i in cut],
+                              candidates)
+        for rows, vals, ids, m in groups:
+            width = int(m.max())
+            w = vals[:, :width].sub(vals[:, :1]).exp_()
+            pick = _inverse_cdf(w, m, [generators[cut[r]] for r in rows.tolist()])
+            out[cut_idx[rows]] = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return out
+
+
+def _inverse_cdf(w: torch.Tensor, m: torch.Tensor,
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One position per row of the weights `w` [N, W] (>= 0, not normalised), drawn among the
+    first m[i] of row i with probability proportional to the weight: the first position whose
+    cumulative weight exceeds a uniform fraction of the row's total. The sums are float64, so
+    every position keeps its share to ~1e-16 of the total. One uniform per row, row i's from
+    generators[i] (the global generator for None): a seeded row's draws depend on its own
+    kept set only, never on its batch companions."""
+    n, width = w.shape
+    dev = w.device
+    if bool((m < width).any()):
+        w = w.masked_fill(torch.arange(width, device=dev) >= m.unsqueeze(1), 0.0)
+    cdf = w.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf.gather(1, (m - 1).unsqueeze(1))
+    u = torch.rand(n, 1, device=dev, dtype=torch.float64)
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            u[j] = torch.rand(1, generator=gen, device=dev, dtype=torch.float64)
+    # u < 1, but u * total may round up to total: then the last kept position (p ~ 2^-53)
+    pick = torch.searchsorted(cdf, u.mul_(total), right=True).squeeze(1)
+    return torch.minimum(pick, m - 1)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
+                    candidates: int | None = CANDIDATES) -> torch.Tensor:
+    """Each row's distribution [N, vocab] after temperature, top-k and top-p (zero outside the
+    kept set)."""
+    n, vocab = logits.shape
+    dev = logits.device
+    scaled = _scaled(logits, params)
+    cut = [i for i, p in enumerate(params) if _cuts(p, vocab)]
+    if not cut:
+        return torch.softmax(scaled, dim=-1)
+    if len(cut) == n:
+        probs, cut_idx, sub = torch.zeros_like(scaled), torch.arange(n, device=dev), scaled
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        cut_idx = torch.tensor(cut, device=dev)
+        sub = scaled[cut_idx]
+    groups = _kept_sorted(sub, [params[i].top_k for i in cut], [params[i].top_p for i in cut],
+                          candidates)
+    for rows, vals, ids, m in groups:
+        width = int(m.max())
+        pos = torch.arange(width, device=dev)
+        w = torch.softmax(vals[:, :width].masked_fill(pos >= m.unsqueeze(1), float("-inf")), -1)
+        probs[cut_idx[rows]] = torch.zeros(len(rows), vocab, device=dev,
+                                           dtype=probs.dtype).scatter_(1, ids[:, :width], w)
+    return probs
+
+
+def _kept_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                 candidates: int | None) -> list[tuple[torch.Tensor, ...]]:
+    """The tokens top-k and top-p keep of each row of the (temperature-scaled) `logits`
+    [N, vocab]: groups (rows, values [G, W] sorted descending, their token ids [G, W], kept
+    counts m [G]); row rows[g] keeps the first m[g] tokens of its group's order. Ties are
+    ordered by token id (a stable sort), so the kept set is a function of the logits alone.
+
+    The cut is the full-sort rule: the top k, then the smallest head of those whose mass
+    (normalised over the top k, or over the whole row where top-k cuts nothing) reaches top_p
+    (a token is dropped when the mass before it reaches p; the first is always kept).
+    With `candidates`, the rule runs first on torch.topk's `candidates` highest values (at
+    least the largest top-k + 1), sorted the same way: their values, and so the masses and the
+    cut, are those of the full sort's head (the whole row's normaliser is a logsumexp over the
+    unsorted row), and a row whose last kept value is above the candidates' last one has its
+    whole kept set among them (every other token's value is at most that last one; equal to it
+    topk may have picked other ties than the sort would). The other rows (a wide nucleus)
+    are sorted whole. `candidates=None`, or candidates near the vocabulary size: every row is
+    sorted whole."""
+    n, vocab = logits.shape
+    dev = logits.device
+    ks = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    k = torch.tensor(ks, device=dev)
+    p = torch.tensor(top_p, device=dev, dtype=logits.dtype)
+    kcap = max((kk for kk in ks if kk < vocab), default=0)
+    z = torch.zeros(n, device=dev, dtype=logits.dtype)
+    whole = [i for i in range(n) if top_p[i] < 1.0 and ks[i] == vocab]
+    if whole:
+        z[whole] = torch.logsumexp(logits if len(whole) == n else logits[whole], dim=-1)
+    everything = torch.arange(n, device=dev)
+    if candidates is None or 4 * max(candidates, kcap + 1) > vocab:
+        vals, ids = logits.sort(dim=-1, descending=True, stable=True)
+        return [(everything, vals, ids, _cut(vals, k, k < vocab, p, z, kcap))]
+    vals, ids = logits.topk(max(candidates, kcap + 1), dim=-1)
+    if bool((vals[:, 1:] == vals[:, :-1]).any()):       # ties: by token id, as the sort has them
+        ids, perm = ids.sort(dim=-1)
+        vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(-1, perm)
+    m = _cut(vals, k, k < vocab, p, z, kcap)
+    found = vals.gather(1, (m - 1).unsqueeze(1)).squeeze(1) > vals[:, -1]
+    if bool(found.all()):
+        return [(everything, vals, ids, m)]
+    hit, miss = found.nonzero().squeeze(1), (~found).nonzero().squeeze(1)
+    groups = [(hit, vals[hit], ids[hit], m[hit])] if hit.numel() else []
+    fv, fi = logits[miss].sort(dim=-1, descending=True, stable=True)
+    km = k[miss]
+    groups.append((miss, fv, fi, _cut(fv, km, km < vocab, p[miss], z[miss], kcap)))
+    return groups
+
+
+def _cut(vals: torch.Tensor, k: torch.Tensor, k_cuts: torch.Tensor, p: torch.Tensor,
+         z: torch.Tensor, kcap: int) -> torch.Tensor:
+    """How many of each row's sorted `vals` [N, W] top-k k and top-p p keep: the head before
+    the first dropped token. z: the row's log normaliser where top-k cuts nothing (k_cuts
+    False); kcap: the largest k that cuts (its normaliser comes from the first kcap values)."""
+    width = vals.shape[-1]
+    drop = torch.arange(width, device=vals.device) >= k.unsqueeze(1)
+    nucleus = p < 1.0
+    if bool(nucleus.any()):
+        if kcap:
+            zk = torch.logsumexp(vals[:, :kcap].masked_fill(drop[:, :kcap], float("-inf")), -1)
+            z = torch.where(k_cuts, zk, z)
+        probs = (vals - z.unsqueeze(1)).exp_().masked_fill_(drop, 0.0)
+        mass_before = probs.cumsum(dim=-1).sub_(probs)
+        drop |= (mass_before >= p.unsqueeze(1)) & nucleus.unsqueeze(1)
+    first = drop.to(torch.uint8).argmax(dim=-1)
+    return torch.where(drop.any(dim=-1), first, width)
 
 
 def stop_token_reason(token_id: int, num_output: int, params: SamplingParams,
