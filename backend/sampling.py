@@ -5,7 +5,7 @@ by their temperature, cut by top-k and top-p, and drawn by inverse CDF with one 
 from the row's own generator where the request is seeded. Top-k/top-p rows never sort the
 whole vocabulary when their kept set lies among the CANDIDATES highest logits (torch.topk,
 `_kept_sorted`): the same kept set as a full sort, at a fraction of the cost (issue #29,
-bench/sampling.py); the draw then runs over the kept tokens only. (`verify` still draws its
+bench/sampling_cost.py); the draw then runs over the kept tokens only. (`verify` still draws its
 replacement tokens with the exponential race, argmax of p / Exp(1) noise, over `_filtered_probs`.)
 
 `verify` checks speculative drafts (backend/spec_decode.py) against the target's own
@@ -73,7 +73,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     `candidates=None` is the full-sort path the sampler had before (issue #29): every filtered
     row sorted whole, full-vocabulary probabilities, the exponential race over all of them. It
-    keeps exactly the same tokens as the default path and stays for bench/sampling.py and the
+    keeps exactly the same tokens as the default path and stays for bench/sampling_cost.py and the
     tests."""
     rand_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rand_rows:

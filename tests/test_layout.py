@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("common", "kernels", "backend", "proxy", "plugins")
 ENGINE = ("backend", "kernels")     # reached from the gateway through modules named DOOR only
 DOOR = "config"
-TOOL_ROOMS = frozenset({"bench", "doctor", "testing", "sim"})
+TOOL_ROOMS = frozenset({"bench", "doctor", "testing", "sim", "tune"})
 ENTRY_POINTS = frozenset({"cli", "__main__"})
 # names that mean one job wherever they appear: a folder's command line, the `python -m`
 # entry, a plugin's class, a side's config schema and parsers, a side's Prometheus metrics

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the rest are listed as skipped")
     p.add_argument("--no-gate", action="store_true", help="recommend points that change "
                    "numerics without the quality gate")
+    p.add_argument("--gate-contexts", type=int_list, help="the quality gate's document lengths "
+                   "in tokens (default 1024,4096,8192, capped at the model's context)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="write the JSON archive here")
@@ -81,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixgate tune: {archive_mod.MISSING_MATPLOTLIB}", file=sys.stderr)
         return 2
     try:
-        points = grid_mod.parse_grid(args.grid, attention_backends())
-        if not args.engine_cmd:
-            grid_mod.check_bundled(points)
+        points = grid_mod.parse_grid(args.grid, attention_backends(),
+                                     bundled=not args.engine_cmd)
         lengths = Lengths(load_tokenizer(args.model)) if not args.engine_cmd or \
             not args.prompts else Lengths()
     except (grid_mod.GridError, OSError, ValueError) as e:
@@ -133,12 +134,13 @@ def quality_gate(args, w: Workload):
     flags against its defaults, on the gate's prompts (proxy/bench/quality.py). Another
     engine's (--engine-cmd) numerics are not gated: reported, never recommended (--no-gate:
     recommended untested)."""
-    from prefixgate.proxy.bench.quality import Gate
+    from prefixgate.proxy.bench.quality import Gate, Suite
     if args.engine_cmd:
         async def untested(point) -> dict:
             return {"passed": False, "note": "not gated: the gate runs the bundled engine"}
         return untested
-    gate = Gate(args.model, [], threads=w.threads, timeout=args.timeout)
+    suite = Suite(contexts=tuple(args.gate_contexts)) if args.gate_contexts else Suite()
+    gate = Gate(args.model, [], suite=suite, threads=w.threads, timeout=args.timeout)
 
     async def check(point) -> dict:
         try:
@@ -199,9 +201,8 @@ def report(archive: dict) -> None:
           + (f", {ratio:.2f}x the defaults'" if ratio else "") + f", p99 TTFT "
           f"{chosen['ttft_p99_ms']:.0f} ms)\n  engine flags: {shlex.join(best['flags'])}\n"
           f"  gateway config:\n"
-          + "".join(f"    {line}\n" for line in grid_mod.Point(
-              tuple(best["point"].items())).bundled_yaml(archive["config"]["model"])
-              .splitlines()))
+          + "".join(f"    {line}\n" for line in grid_mod.bundled_yaml(
+              archive["config"]["model"], best["flags"]).splitlines()))
 
 
 def gate_word(gate: dict | None) -> str:

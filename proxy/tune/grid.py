@@ -4,20 +4,26 @@
 
 A name is an engine flag in vLLM's spelling with underscores for dashes
 (`max_num_batched_tokens` is `--max-num-batched-tokens` on the bundled engine and on vLLM), so
-one grid runs on both; the points are the cross product of the values. A flag that takes no
-value (`enforce_eager=true,false`) is given or left out. `attention_backend=available` is
-every backend the engine can run on this device. Points whose values change the numerics
+one grid runs on both; the points are the cross product of the values. For the bundled engine
+each point is read as the quality gate reads a candidate (proxy/bench/quality.py
+`flags_from_spec`: a name that is no engine setting, or a value it does not take, fails before
+any engine starts); for another engine (`--engine-cmd`) a name becomes its flag as it is, and
+`name=true,false` gives a switch or leaves it out. `attention_backend=available` is every
+backend the engine can run on this device. Points whose values change the numerics
 (`NUMERIC`) pass the quality gate before they can be recommended.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import re
 from dataclasses import dataclass
 
-# flags that change what the model computes, not only how fast: the quality gate's business
-NUMERIC = {"kv_cache_dtype": "auto", "attention_backend": "auto"}
+from prefixgate.proxy.bench.quality import SpecError, flags_from_spec
+
+# flags that change what the model computes, not only how fast (the quality gate's
+# business), with the value that changes nothing (None: any value changes something)
+NUMERIC = {"kv_cache_dtype": "auto", "attention_backend": "auto", "dtype": None,
+           "debug_kv_mantissa_bits": None}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _SWITCH = {"true": True, "false": False}
 
@@ -28,37 +34,33 @@ class GridError(ValueError):
 
 @dataclass(frozen=True)
 class Point:
-    """One engine configuration: (name, value) pairs in grid order; none: the defaults."""
+    """One engine configuration: (name, value) pairs in grid order and the engine flags they
+    make; none: the engine's defaults."""
     values: tuple[tuple[str, str], ...] = ()
+    engine_flags: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.values) or "defaults"
 
     def flags(self) -> list[str]:
-        """The engine's command-line flags for this point."""
-        out: list[str] = []
-        for name, value in self.values:
-            flag = "--" + name.replace("_", "-")
-            switch = _SWITCH.get(value.lower())
-            if switch is None:
-                out += [flag, value]
-            elif switch:
-                out.append(flag)
-        return out
+        return list(self.engine_flags)
 
     def numerics(self) -> tuple[tuple[str, str], ...]:
         """The values that change numerics away from the engine's defaults."""
         return tuple((k, v) for k, v in self.values if k in NUMERIC and v != NUMERIC[k])
 
-    def bundled_yaml(self, model: str) -> str:
-        """This point as the gateway config's `bundled:` block."""
-        args = ", ".join(f'"{a}"' for a in self.flags())
-        return f"bundled:\n  model: {model}\n  args: [{args}]\n"
+
+def bundled_yaml(model: str, flags: list[str]) -> str:
+    """Engine flags as the gateway config's `bundled:` block."""
+    args = ", ".join(f'"{a}"' for a in flags)
+    return f"bundled:\n  model: {model}\n  args: [{args}]\n"
 
 
-def parse_grid(text: str, attention_backends: list[str] | None = None) -> list[Point]:
-    """`text`'s points (module doc); `attention_backends`: what `available` stands for."""
+def parse_grid(text: str, attention_backends: list[str] | None = None,
+               bundled: bool = True) -> list[Point]:
+    """`text`'s points (module doc); `attention_backends`: what `available` stands for;
+    `bundled`: flags checked and made as the bundled engine takes them."""
     axes: list[tuple[str, list[str]]] = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
@@ -78,23 +80,26 @@ def parse_grid(text: str, attention_backends: list[str] | None = None) -> list[P
     if not axes:
         raise GridError("grid: no flags to sweep (e.g. --grid 'max_num_seqs=16,32')")
     names = [name for name, _ in axes]
-    return [Point(tuple(zip(names, combo)))
-            for combo in itertools.product(*(values for _, values in axes))]
+    points = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        values = tuple(zip(names, combo))
+        points.append(Point(values, tuple(engine_flags(values, bundled))))
+    return points
 
 
-def check_bundled(points: list[Point]) -> None:
-    """Every point's flags, as the bundled engine's own parser reads them (a typo in a name
-    or a value fails here, naming it, not after an engine start)."""
-    from prefixgate.backend.cli import build_parser
-    parser = build_parser()
-    parser.exit_on_error = False
-    known = {s for action in parser._actions for s in action.option_strings}
-    for point in points:
-        for name, _ in point.values:
-            if "--" + name.replace("_", "-") not in known:
-                raise GridError(f"grid: {name}: the bundled engine has no flag "
-                                f"--{name.replace('_', '-')}")
+def engine_flags(values: tuple[tuple[str, str], ...], bundled: bool) -> list[str]:
+    if bundled:
+        spec = ",".join(f"{k}={v}" for k, v in values)
         try:
-            parser.parse_args(["--model", "demo", *point.flags()])
-        except argparse.ArgumentError as e:
-            raise GridError(f"grid: {point.label}: {e}") from None
+            return flags_from_spec(spec)
+        except SpecError as e:
+            raise GridError(f"grid: {str(e).removeprefix('candidate ')}") from None
+    out: list[str] = []
+    for name, value in values:
+        flag = "--" + name.replace("_", "-")
+        switch = _SWITCH.get(value.lower())
+        if switch is None:
+            out += [flag, value]
+        elif switch:
+            out.append(flag)
+    return out

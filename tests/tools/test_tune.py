@@ -9,8 +9,12 @@ import json
 import pytest
 import yaml
 
+from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
+from prefixgate.proxy.bench.quality import Gate, Suite
 from prefixgate.proxy.config import gateway as config_mod
-from prefixgate.proxy.tune.grid import GridError, Point, check_bundled, parse_grid
+from prefixgate.proxy.tune.cli import report
+from prefixgate.proxy.tune.grid import GridError, Point, engine_flags, parse_grid
+from prefixgate.proxy.tune.sweep import Workload, sweep
 from tests.tools.helpers import run_cli
 
 SMALL = ["--model", "demo", "--tiers", "96,192", "--concurrency", "2", "--requests", "6",
@@ -90,18 +94,18 @@ async def test_an_engine_command_template_runs_any_engine(tmp_path):
     ("max_num_seqs", "is not name=value"),
     ("max_num_seqs=", "has no values"),
     ("max_num_seqs=4; max_num_seqs=8", "given twice"),
-    ("max_num_seq=4", "no flag --max-num-seq"),
-    ("max_num_seqs=many", "invalid int value: 'many'"),
-    ("attention_backend=cuda", "invalid choice: 'cuda'"),
+    ("max_num_seq=4", "'max_num_seq' is no engine setting"),
+    ("max_num_seqs=many", "max_num_seqs takes an integer, got 'many'"),
+    ("attention_backend=cuda", "attention_backend takes one of auto, triton, torch, got 'cuda'"),
 ])
 def test_a_bad_grid_names_what_is_wrong(grid, message):
     with pytest.raises(GridError, match=message):
-        check_bundled(parse_grid(grid))
+        parse_grid(grid)
 
 
 async def test_a_bad_grid_fails_before_any_engine_starts():
     code, _, stderr = await run_cli("tune", *SMALL, "--grid", "max_num_seqs=abc")
-    assert code == 2 and "max_num_seqs=abc" in stderr and "invalid int" in stderr
+    assert code == 2 and "max_num_seqs takes an integer, got 'abc'" in stderr
 
 
 def test_points_are_the_cross_product_and_know_their_numerics():
@@ -119,3 +123,31 @@ def test_points_are_the_cross_product_and_know_their_numerics():
                                  "--attention-backend", "torch"]
     assert points[1].numerics() == (("attention_backend", "torch"),)
     assert Point().label == "defaults" and Point().flags() == []
+    # another engine's flags are its own: names as they are, switches given or left out
+    assert engine_flags((("no_enable_prefix_caching", "true"), ("max_num_seqs", "8")),
+                        bundled=False) == ["--no-enable-prefix-caching", "--max-num-seqs", "8"]
+
+
+async def test_a_point_below_the_quality_gate_is_reported_never_recommended(tiny_llama_dir,
+                                                                            capsys):
+    """A planted fault (K/V kept with 1 mantissa bit) meets the SLO like the defaults, and is
+    not recommended: the gate, against the defaults on the same prompts, fails it."""
+    model = str(tiny_llama_dir)
+    gate = Gate(model, [], suite=Suite(prompts=4, max_tokens=8, contexts=(256,), questions=2,
+                                       answer_tokens=8), threads=1, timeout=120)
+    w = Workload(tiers=[96], concurrency=2, requests=4, warmup=1, max_tokens=4,
+                 slo_ttft_ms=30000, threads=1)
+    archive = await sweep(parse_grid("debug_kv_mantissa_bits=1"), w,
+                          Lengths(load_tokenizer(model)), model,
+                          gate=lambda point: gate.check(point.flags()))
+    defaults, fault = archive["cells"]
+    assert defaults["summary"]["meets_slo"] and fault["summary"]["meets_slo"]
+    assert defaults["gate"] is None                     # the defaults change no numerics
+    assert not fault["gate"]["passed"]
+    assert not fault["gate"]["metrics"]["top1_agreement"]["passed"]
+    assert archive["recommended"]["label"] == "defaults"
+    report(archive)
+    out = capsys.readouterr().out
+    assert "debug_kv_mantissa_bits=1: below the quality gate on" in out
+    assert next(line for line in out.splitlines()
+                if line.startswith("debug_kv_mantissa_bits=1")).endswith("FAIL")

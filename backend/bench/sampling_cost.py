@@ -1,4 +1,4 @@
-"""Sampling cost per step: `python -m prefixgate.backend.bench.sampling`.
+"""Sampling cost per step: `python -m prefixgate.backend.bench.sampling_cost`.
 
 Times `sampling.sample` on one step's logits [batch, vocab] (float32, all rows random, no
 seeds), the full-sort path (`candidates=None`: every top-k/top-p row sorted whole,
@@ -100,7 +100,7 @@ def run(vocabs, batches, kinds: dict[str, float], repeats: int, seed: int) -> li
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.sampling",
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.sampling_cost",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", default=None, help="comma-separated (default 49152,151936)")
