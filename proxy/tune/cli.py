@@ -85,11 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = grid_mod.parse_grid(args.grid, attention_backends(),
                                      bundled=not args.engine_cmd)
-        lengths = Lengths(load_tokenizer(args.model)) if not args.engine_cmd or \
-            not args.prompts else Lengths()
-    except (grid_mod.GridError, OSError, ValueError) as e:
+    except grid_mod.GridError as e:
         print(f"prefixgate tune: {e}", file=sys.stderr)
         return 2
+    try:
+        lengths = Lengths(load_tokenizer(args.model))
+    except (OSError, ValueError) as e:
+        if not args.engine_cmd:
+            print(f"prefixgate tune: cannot load {args.model}'s tokenizer: {e}", file=sys.stderr)
+            return 2
+        # another engine's model (a hub name vLLM resolves): prompt lengths in words
+        print(f"prefixgate tune: no local tokenizer for {args.model} ({e}); prompt lengths "
+              f"are approximate", file=sys.stderr)
+        lengths = Lengths()
     w = workload(args)
     try:
         archive = asyncio.run(sweep(

@@ -138,30 +138,34 @@ async def start_engine(point: Point, w: Workload, model: str, engine_cmd: str | 
 
 async def measure_point(point: Point, w: Workload, prompts: Prompts, model: str,
                         engine_cmd: str | None, timeout: float) -> dict:
-    """One point: its engine, the warm-up and measured requests, its figures."""
+    """One point: its engine, the warm-up and measured requests, its figures (a point whose
+    engine would not start or answer is a row with its error, and the sweep goes on)."""
     started = time.monotonic()
     try:
         engine = await start_engine(point, w, model, engine_cmd)
     except (RuntimeError, OSError) as e:
-        return {"label": point.label, "point": dict(point.values), "flags": point.flags(),
-                "error": f"the engine did not start: {e}", "samples": [], "summary": {}}
-    url = engine.urls[0]
+        return failed(point, f"the engine did not start: {e}")
+    peak = KVPeak()
     try:
         async with target.client_session(timeout) as session:
+            url = engine.urls[0]
             name, _ = await target.pick_model(session, url, {}, None)
             before = await archive_mod.snapshot(session, url, "/metrics", {})
-            peak = KVPeak()
             poller = asyncio.ensure_future(peak.poll(session, url))
 
             def body(i: int) -> dict:
                 # (the body's own messages or prompt: "chat" adds it as it is)
                 return target.request_body(prompts.body(i), name, w.max_tokens, True, "chat")
-            samples = await target.measure(
-                session, url + prompts.path, {}, body, requests=w.requests, warmup=w.warmup,
-                concurrency=w.concurrency, think_s=w.think_ms / 1000.0, seed=w.seed,
-                label=point.label)
-            poller.cancel()
+            try:
+                samples = await target.measure(
+                    session, url + prompts.path, {}, body, requests=w.requests,
+                    warmup=w.warmup, concurrency=w.concurrency, think_s=w.think_ms / 1000.0,
+                    seed=w.seed, label=point.label)
+            finally:
+                poller.cancel()
             after = await archive_mod.snapshot(session, url, "/metrics", {})
+    except target.TargetError as e:
+        return failed(point, str(e))
     finally:
         await engine.stop()
     cell = target.cell_record(point.label, {"point": dict(point.values),
@@ -171,6 +175,11 @@ async def measure_point(point: Point, w: Workload, prompts: Prompts, model: str,
                                          preemptions(before, after)))
     cell["summary"]["point_s"] = round(time.monotonic() - started, 1)
     return cell
+
+
+def failed(point: Point, error: str) -> dict:
+    return {"label": point.label, "point": dict(point.values), "flags": point.flags(),
+            "error": error, "samples": [], "summary": {}}
 
 
 class KVPeak:

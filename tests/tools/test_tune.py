@@ -77,17 +77,33 @@ async def test_the_budget_skips_points_it_cannot_fit(tmp_path):
     assert "recommended: defaults" in stdout
 
 
-async def test_an_engine_command_template_runs_any_engine(tmp_path):
-    """--engine-cmd with the bundled engine's own command line: {port}, {flags}, {model}."""
-    out = tmp_path / "cmd.json"
+async def test_an_engine_command_template_runs_any_engine_on_your_prompts(tmp_path):
+    """--engine-cmd with the bundled engine's own command line ({port}, {flags}, {model}),
+    replaying request bodies from --prompts."""
+    out, prompts = tmp_path / "cmd.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"question {i}: " + "word " * 40}]}) for i in range(3)))
+    args = [a for a in SMALL if a not in ("--tiers", "96,192")]
     code, stdout, stderr = await run_cli(
-        "tune", *SMALL, "--slo-ttft-ms", "30000", "--grid", "max_num_seqs=3",
+        "tune", *args, "--prompts", str(prompts), "--slo-ttft-ms", "30000",
+        "--grid", "max_num_seqs=3",
         "--engine-cmd", "python -m prefixgate.backend --model {model} --port {port} {flags} "
         "--log-level warning", "--out", str(out))
     assert code == 0, stderr
     cells = json.loads(out.read_text())["cells"]
     assert [c["flags"] for c in cells] == [[], ["--max-num-seqs", "3"]]
     assert all(c["summary"]["errors"] == 0 for c in cells)
+    assert all(set(c["summary"]["ttft_p95_ms_by_tier"]) == {"file"} for c in cells)
+    assert all(50 < s["prompt_tokens"] < 70 for c in cells for s in c["samples"])
+
+
+async def test_a_bad_prompts_file_names_its_line(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"input": "x"}\n')
+    args = [a for a in SMALL if a not in ("--tiers", "96,192")]
+    code, _, stderr = await run_cli("tune", *args, "--prompts", str(prompts),
+                                    "--grid", "max_num_seqs=3")
+    assert code == 2 and f"{prompts}:2: a request body needs `messages` or `prompt`" in stderr
 
 
 @pytest.mark.parametrize("grid, message", [
