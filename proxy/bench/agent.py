@@ -60,7 +60,8 @@ class AgentWorkload:
     engine_threads: int = 1          # torch threads per engine: engines x threads <= cores
     block_size: int = 16             # the engines' KV block, in tokens
     batched_tokens: int = 512        # engine step budget
-    policy: str = "predicted_ttft"   # prefix_route policy (with `session: {}`)
+    policy: str = "predicted_ttft"   # prefix_route policy
+    session_mode: str = "soft"       # `session: {mode}`: soft lets the policy move a session
     rounds: int = 1                  # runs of both modes, interleaved, samples pooled
     seed: int = 0
 
@@ -207,7 +208,8 @@ def gateway_config(engines, w: AgentWorkload, warm: bool, model: str, timeout: f
             "timeouts": {"first_byte": timeout, "idle": timeout},
             "plugins": [{"prerender": {"block_tokens": w.block_size, "warm_next_turn": warm}},
                         {"prefix_route": {"policy": w.policy, "index": "kv_events",
-                                          "block_tokens": w.block_size, "session": {}}},
+                                          "block_tokens": w.block_size,
+                                          "session": {"mode": w.session_mode}}},
                         {"metrics": {}}]}
 
 
@@ -319,7 +321,7 @@ def print_agent(archive: dict) -> None:
           f"({w['kinds']} agent kinds), {w['answer_tokens']}-token answers, "
           f"{w['tool_result_tokens']}-token tool results, tool pauses of "
           f"{w['think_ms'] / 1000:g} s and starts {w['start_gap_ms'] / 1000:g} s apart on "
-          f"average; prefix_route {w['policy']} with sessions, "
+          f"average; prefix_route {w['policy']} with {w.get('session_mode', 'soft')} sessions, "
           f"KV events. History cached: the share of each turn's history (the conversation "
           f"through the previous answer) the engine had cached; TTFT in ms over turns 2-"
           f"{w['turns']}")

@@ -256,6 +256,7 @@ def test_a_longer_prompt_continues_the_chain_from_its_cached_parent(engines):
 def test_eviction_publishes_block_removed_of_exactly_the_evicted_hashes(engines):
     engine = engines(num_kv_blocks=7)
     generate(engine, A)
+    assert engine.kv_events.flush()         # A's batch is out before the subscriber joins
     before = set(engine.block_manager.cached)
     sub = Subscriber(engine.kv_events)
     generate(engine, B)                                       # needs all 7 blocks: A's are evicted
