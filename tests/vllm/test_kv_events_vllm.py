@@ -103,8 +103,8 @@ async def test_a_gateway_started_late_catches_up_by_replay(vllm_pair, fleet):
     c = system_prompt("events-C")
     async with aiohttp.ClientSession() as client:
         await both_live(client, first)
+        before = blocks(await metrics(client, first), "vllm0")    # (C's events may come fast)
         await chat_direct(client, vllm_pair[0], c)
-        before = blocks(await metrics(client, first), "vllm0")
         held = await until(client, first, lambda m: blocks(m, "vllm0") >= before + 3 * KEYS,
                            SETTLE_S)
         late = await fleet()                    # knows nothing but what the replay gives it
