@@ -32,7 +32,6 @@ from prometheus_client import Counter
 from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 from prefixgate.common.schema import ConfigError, Key, non_negative, positive
 from prefixgate.plugins.prefix_keys import prompt_token_ids
-from prefixgate.proxy import warm
 from prefixgate.proxy.config.gateway import ANY_MODEL
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
@@ -331,7 +330,7 @@ class Prerender(Plugin):
         conv = ctx.state.get(WARM_KEY)
         up = ctx.prefill_upstream or ctx.upstream
         if conv is None or error is not None or ctx.status != 200 or up is None \
-                or conv.size > self.cfg["warm_answer_bytes"] or ctx.state.get(warm.STATE_KEY):
+                or conv.size > self.cfg["warm_answer_bytes"] or ctx.warm:
             return                  # (a warm API request has no answer to warm a turn with)
 
         async def render() -> list[int] | None:

@@ -37,7 +37,6 @@ log = logging.getLogger("prefixgate")
 # the upstream's own, replaced by the gateway's (Server-Timing: extended with its entries)
 REPLACED_ANSWER_HEADERS = frozenset({"date", "server", "server-timing"})
 STREAM_TAIL_CHUNKS = 3     # a stream's last chunks kept: its usage event is the last one
-PREVIOUS_RESPONSE = "previous_response"   # ctx.state: (client's id, upstream's) it continues
 
 
 class EventStreamResponse(web.StreamResponse):
@@ -70,7 +69,7 @@ class Gateway:
         self.response_ids = response_ids.ResponseIds(config["responses"])
         # the access log and traces (None when neither is configured: nothing on the path)
         self.observer = Observer.from_config(config)
-        self.warmer = warm.Warmer(self.registry, self.observer)
+        self.warmer = warm.Warmer(self)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -259,11 +258,10 @@ class Gateway:
         else:
             ctx.body["previous_response_id"] = upstream_id
             ctx.body_changed = True
-            ctx.state[PREVIOUS_RESPONSE] = (client_id, upstream_id)
+            ctx.previous_response = (client_id, upstream_id)
 
     def _response_ids_for(self, ctx: RequestContext, up: Upstream) -> response_ids.Rewriter:
-        return response_ids.Rewriter(self.response_ids, up.name,
-                                     ctx.state.get(PREVIOUS_RESPONSE))
+        return response_ids.Rewriter(self.response_ids, up.name, ctx.previous_response)
 
     async def _route(self, ctx: RequestContext) -> None:
         """The request's flow (plain or P/D) and upstream, then its slot there (an `admit`
@@ -431,7 +429,7 @@ class Gateway:
             body = encode_body(token_forward.completion_to_chat(answer))
         if ctx.endpoint.responses and upstream_resp.status == 200 and isinstance(answer, dict):
             body = encode_body(self._response_ids_for(ctx, up).whole(answer))
-        if ctx.state.get(warm.STATE_KEY) == "api" and upstream_resp.status == 200:
+        if ctx.warm == "api" and upstream_resp.status == 200:
             body = encode_body(self.warmer.answered(ctx, up.name, answer))
         ctx.stamp("first_byte")
         ctx.client_has_bytes = True

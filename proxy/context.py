@@ -47,19 +47,26 @@ class RequestContext:
     attempts: int = 0                          # upstreams tried
     tried: list = field(default_factory=list)  # the upstreams that failed it before a byte
     client_has_bytes: bool = False             # the answer has begun: no other upstream now
-    # the TTFT breakdown (proxy/breakdown.py): seconds summed over attempts, and what the
+    # the TTFT breakdown (proxy/observe/breakdown.py): seconds summed over attempts, and what the
     # upstream's `Server-Timing` said
     connect_s: float = 0.0                     # pool wait + TCP connect
     upstream_s: float = 0.0                    # request written -> the upstream's first byte
     upstream_timing: str | None = None
-    # the answer (proxy/usage.py): the last chunks of a stream, where its usage event is
+    # the answer (proxy/observe/usage.py): the last chunks of a stream, where its usage event is
     tail: Any = None
     usage: dict | None = None                  # the upstream's `usage`
     answer: dict | None = None                 # a whole JSON answer, where it was parsed
     response_model: str | None = None          # the model the upstream says answered
     bytes_out: int = 0                         # body bytes relayed to the client
     error: str | None = None                   # why it failed (status >= 400, mid-stream)
-    trace: Any = None                          # its proxy.tracing.Trace, when traced
+    trace: Any = None                          # its proxy.observe.span_export.Trace, when traced
+    # the core's own data (a plugin's is in `state`)
+    warm: str | None = None                    # "api": a warm API request; "next_turn": the
+                                               # gateway's own next-turn warming (proxy/warm.py)
+    previous_response: tuple[str, str] | None = None   # (client's id, upstream's) a Responses
+                                               # follow-up continues (proxy/response_ids.py)
+    rate_grant: Any = None                     # the key's rate-limit grant, charged at the end
+                                               # (proxy/rate_limits.py)
     state: dict = field(default_factory=dict)  # a plugin's private data, keyed by its name
 
     def stamp(self, name: str) -> float:

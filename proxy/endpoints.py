@@ -27,9 +27,10 @@ class Endpoint:
         return self.body != "multipart"
 
 
+COMPLETIONS = Endpoint("/v1/completions", prompt=True)
 ENDPOINTS = (
     Endpoint("/v1/chat/completions", prompt=True),
-    Endpoint("/v1/completions", prompt=True),
+    COMPLETIONS,
     Endpoint("/v1/embeddings"),
     Endpoint("/v1/responses", responses=True),
     Endpoint("/v1/responses/{response_id}", method="GET", body="none", responses=True),

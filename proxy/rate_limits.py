@@ -172,7 +172,7 @@ class RateLimits:
                                               else "")
             raise HTTPError(429, f"rate limit exceeded for {what}", code="rate_limit_exceeded",
                             headers={"Retry-After": retry_after or "1"})
-        ctx.state["rate_limit"] = grant
+        ctx.rate_grant = grant
 
     def _admit_local(self, grant: Grant) -> tuple[bool, dict]:
         limit = grant.limit.share(self.replicas)
@@ -217,7 +217,7 @@ class RateLimits:
     # --- charging --------------------------------------------------------------------------
     def charge(self, ctx) -> None:
         """The request has ended: its tokens count against its key's budget."""
-        grant = ctx.state.get("rate_limit")
+        grant = ctx.rate_grant
         if grant is None or grant.limit.tokens is None or ctx.status != 200:
             return
         n = spent_tokens(ctx)

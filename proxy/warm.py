@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
-import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import Counter
 
+from prefixgate.common.errors import HTTPError
+from prefixgate.common.runtime import encode_body
+from prefixgate.proxy.context import RequestContext
+from prefixgate.proxy.endpoints import COMPLETIONS
+from prefixgate.proxy.exchange import Attempt, UpstreamFailed
 from prefixgate.proxy.observe import usage
 
 HEADER = "x-prefixgate-warm"
-STATE_KEY = "warm"          # ctx.state: "api" for a warm API request
 FREE_SLOTS = 2              # an upstream with fewer free slots gets no next-turn warming
 log = logging.getLogger("prefixgate.warm")
 
@@ -50,15 +53,16 @@ def prepare(ctx) -> None:
         body.pop(key, None)
     body["stream"] = False
     ctx.body_changed, ctx.stream = True, False
-    ctx.state[STATE_KEY] = "api"
+    ctx.warm = "api"
 
 
 class Warmer:
     """Counts warm requests, and sends the gateway's own (next-turn warming) when there is
     room for them."""
 
-    def __init__(self, registry, observer=None):
-        self.observer = observer            # the access log's writer, when configured
+    def __init__(self, gw):
+        self.gw = gw                        # its upstreams' health, observer and registry
+        registry = gw.registry
         self.requests = Counter("prefixgate_warm_requests", "Warm requests by kind (api, "
                                 "next_turn) and outcome (warmed, failed, dropped: no room, "
                                 "skipped: nothing to warm)",
@@ -111,27 +115,35 @@ class Warmer:
             self._busy.discard(up.name)
 
     async def _complete(self, up, model, request_id: str, token_ids: list[int]) -> None:
+        """One warm request, an attempt like any other (proxy/exchange.py): counted in flight,
+        its health outcome told, its span and access-log line written, marked `next_turn`."""
         body = {"prompt": token_ids, "max_tokens": 1, "temperature": 0}
         if model is not None:
             body["model"] = model
-        started, wall = time.monotonic(), time.time()
-        status, answer, error = None, None, None
+        ctx = RequestContext(request_id=f"{request_id}-warm", path=COMPLETIONS.path, body=body,
+                             headers=CIMultiDictProxy(CIMultiDict()), endpoint=COMPLETIONS,
+                             target=COMPLETIONS.path, model=model, upstream=up, warm="next_turn",
+                             attempts=1)
+        ctx.stamp("received")
+        if self.gw.observer is not None:
+            self.gw.observer.begin_own(ctx)
         try:
-            async with up.session.post(up.url + "/v1/completions", json=body,
-                                       headers=up.extra_headers, timeout=aiohttp.ClientTimeout(
-                                           total=up.timeouts["first_byte"])) as r:
-                status = r.status
-                answer = await r.json(content_type=None) if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-        prompt, cached, _ = usage.tokens((answer or {}).get("usage")) if isinstance(
-            answer, dict) else (None, None, None)
-        self._count("next_turn", "warmed" if status == 200 else "failed", prompt, cached)
-        if status != 200:
-            log.debug("next-turn warm request to %s failed: %s", up.name, error or status)
-        if self.observer is not None:
-            self.observer.warm_line(request_id, wall, time.monotonic() - started, up.name,
-                                    model, status or 502, prompt, cached, error)
+            with Attempt(self.gw, ctx, up, in_line=False) as attempt:
+                answer = usage.from_body(await attempt.send("POST", encode_body(body), read="all"))
+                ctx.status = attempt.resp.status
+                if ctx.status == 200:
+                    ctx.usage = (answer or {}).get("usage")
+                else:
+                    ctx.error = usage.error_message(answer) or f"HTTP {ctx.status}"
+        except (UpstreamFailed, HTTPError) as e:
+            ctx.status, ctx.error = getattr(e, "status", 502), str(e)
+        ctx.stamp("done")
+        prompt, cached, _ = usage.tokens(ctx.usage)
+        self._count("next_turn", "warmed" if ctx.status == 200 else "failed", prompt, cached)
+        if ctx.status != 200:
+            log.debug("next-turn warm request to %s failed: %s", up.name, ctx.error)
+        if self.gw.observer is not None:
+            self.gw.observer.conclude_own(ctx)
 
     def _count(self, kind: str, outcome: str, prompt, cached) -> None:
         self.requests.labels(kind, outcome).inc()

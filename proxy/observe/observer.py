@@ -75,6 +75,13 @@ class Observer:
         if self.spans is not None:
             ctx.trace = self.spans.begin(request.headers)
 
+    def begin_own(self, ctx) -> None:
+        """A request the gateway sends itself (next-turn warming, proxy/warm.py): a trace of
+        its own, sampled as any request."""
+        ctx.wall = time.time()
+        if self.spans is not None:
+            ctx.trace = self.spans.begin({})
+
     def attempt(self, ctx) -> Attempt | None:
         trace = ctx.trace
         if trace is None:
@@ -119,14 +126,25 @@ class Observer:
         if ctx is None:
             fields = self._plain_fields(request, resp, started, wall, failed)
         else:
-            fields = self._fields(request, ctx, resp)
+            fields = self._fields(ctx, resp, request.remote, request.method, request.path)
+        self._write(ctx, fields, traced)
+
+    def conclude_own(self, ctx) -> None:
+        """The end of a request the gateway sent itself (`begin_own`): its access-log line
+        (its `warm` field says why it was sent) and span."""
+        traced = ctx.trace is not None and ctx.trace.sampled
+        if self.log is not None or traced:
+            self._write(ctx, self._fields(ctx, None, None, ctx.endpoint.method, ctx.target),
+                        traced)
+
+    def _write(self, ctx, fields: dict, traced: bool) -> None:
         if self.log is not None:
             self.log.write(fields)
         if traced:
-            self._server_span(request, ctx, fields)
+            self._server_span(ctx, fields)
 
     # --- what is written -----------------------------------------------------------------
-    def _fields(self, request: web.Request, ctx, resp) -> dict:
+    def _fields(self, ctx, resp, client: str | None, method: str, path: str) -> dict:
         if ctx.tail:
             answer = usage.from_stream(ctx.tail)
             if answer is not None:
@@ -135,9 +153,9 @@ class Observer:
         prompt, cached, completion = usage.tokens(ctx.usage)
         end = ctx.t.get("done", time.monotonic())
         fields = {
-            "ts": ctx.wall, "request_id": ctx.request_id, "client": request.remote,
+            "ts": ctx.wall, "request_id": ctx.request_id, "client": client,
             "key": ctx.key.name if ctx.key is not None else None,
-            "method": request.method, "path": request.path, "model": ctx.model,
+            "method": method, "path": path, "model": ctx.model,
             "stream": ctx.stream, "status": ctx.status or _status(resp),
             "upstream": ctx.upstream.name if ctx.upstream is not None else None,
             "attempts": ctx.attempts, "route": _route(ctx),
@@ -146,7 +164,7 @@ class Observer:
             "prefill_upstream": ctx.prefill_upstream.name if ctx.prefill_upstream else None,
             "prefill_leg_ms": round(ctx.prefill_s * 1e3, 3) if ctx.prefill_s else None,
             "moved": [f"{m['type']}:{m['label']}" for m in ctx.moved] or None,
-            "warm": ctx.state.get("warm"),          # a warm API request (proxy/warm.py)
+            "warm": ctx.warm,                      # api | next_turn (proxy/warm.py)
             "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
             **breakdown.fields(ctx),
             "duration_ms": round((end - ctx.t["received"]) * 1e3, 3),
@@ -155,20 +173,6 @@ class Observer:
         if fields["error"] is None and fields["status"] >= 400:    # a non-JSON error answer
             fields["error"] = f"HTTP {fields['status']}"
         return fields
-
-    def warm_line(self, request_id: str, wall: float, seconds: float, upstream: str,
-                  model: str | None, status: int, prompt: int | None, cached: int | None,
-                  error: str | None) -> None:
-        """The access-log line of a warm request the gateway sent itself (next-turn warming,
-        proxy/warm.py), `request_id` the request whose answer it warms the next turn of."""
-        if self.log is None:
-            return
-        fields = dict.fromkeys(access_log.FIELDS)
-        fields.update(ts=wall, request_id=f"{request_id}-warm", method="POST",
-                      path="/v1/completions", model=model, stream=False, status=status,
-                      upstream=upstream, attempts=1, warm="next_turn", prompt_tokens=prompt,
-                      cached_tokens=cached, duration_ms=round(seconds * 1e3, 3), error=error)
-        self.log.write(fields)
 
     @staticmethod
     def _plain_fields(request, resp, started, wall, failed) -> dict:
@@ -184,7 +188,7 @@ class Observer:
                       else _error_message(resp) if status >= 400 else None)
         return fields
 
-    def _server_span(self, request: web.Request, ctx, fields: dict) -> None:
+    def _server_span(self, ctx, fields: dict) -> None:
         op = OPERATIONS.get(ctx.path) or ctx.path.rsplit("/", 1)[-1].strip("{}") or "request"
         status = fields["status"]
         # a server span's error is the server's failure (semconv): 5xx, not a client's 4xx
