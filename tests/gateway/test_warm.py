@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.proxy.testing.otlp import OtlpReceiver
 from tests.helpers import ServerThread
 from tests.plugins.helpers import metrics, sample
 
@@ -151,3 +152,30 @@ async def test_a_warm_api_request_warms_no_next_turn(engine, tiny_llama_dir, mak
     assert sample(m, "prefixgate_warm_requests_total", kind="api", outcome="warmed") == 1
     assert not any(sample(m, "prefixgate_warm_requests_total", kind="next_turn", outcome=o)
                    for o in ("warmed", "dropped", "skipped", "failed"))
+
+
+async def test_a_next_turn_warm_request_is_an_attempt_with_its_own_trace(
+        engine, tiny_llama_dir, make_gateway, tmp_path):
+    receiver = await OtlpReceiver().start()
+    try:
+        cfg = warm_config(engine, tiny_llama_dir, True, tmp_path / "access.log")
+        cfg["tracing"] = {"otlp_endpoint": receiver.url}
+        gw = await make_gateway(cfg)
+        async with aiohttp.ClientSession() as client:
+            await chat(client, gw, [{"role": "user", "content": "trace my warming"}], False)
+            spans = await receiver.wait_for(lambda s: len(s) >= 4)
+            async with client.get(gw.url + "/health") as r:
+                health = await r.json()
+    finally:
+        await receiver.stop()
+    warm_server = next(s for s in spans if s["kind"] == "SERVER"
+                       and s["attributes"]["prefixgate.request_id"].endswith("-warm"))
+    warm_client = next(s for s in spans if s["kind"] == "CLIENT"
+                       and s["trace_id"] == warm_server["trace_id"])
+    assert warm_client["name"] == "POST /v1/completions"
+    assert warm_client["parent_span_id"] == warm_server["span_id"]
+    assert warm_client["attributes"]["http.response.status_code"] == 200
+    assert warm_server["attributes"]["gen_ai.usage.input_tokens"] > 0
+    # its answer told the upstream's health, and its slot was given back
+    assert health["upstreams"]["e"]["healthy"] is True
+    assert gw.gateway.upstreams[0].inflight == 0
