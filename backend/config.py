@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,13 @@ from prefixgate.common.schema import ConfigError, Key, at_least, json_flag
 
 LOAD_FORMATS = ("mmap", "eager")        # how weights are read (backend/loader.py)
 ROLES = ("prefill", "decode", "both")   # P/D roles (backend/kv_transfer.py)
+DTYPES = ("float32", "bfloat16", "float16")          # the weights' and activations' dtype
+ATTENTION_BACKENDS = ("auto", "triton", "torch")     # kernels/ (auto: by device)
+# --kv-cache-dtype's names and the torch dtype each stands for (backend/model_runner.py reads
+# them as torch dtypes; strings here, so the gateway need not load torch); auto: the model's
+KV_CACHE_TORCH_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                         "float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+KV_CACHE_DTYPE_NAMES = tuple(KV_CACHE_TORCH_DTYPES)
 DEFAULT_MAX_TOKENS = 256                # a request's max_tokens when it sets none
 NULL = type(None)
 
@@ -396,3 +404,203 @@ class ServerArgs:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     warm_up: bool = True                         # False: --skip-server-warmup
     tracing: dict | None = None                  # a checked common.tracing config; None: off
+
+
+# --- every flag of `prefixgate backend`: one table ---------------------------------------------
+#
+# backend/cli.py builds its argparse from FLAGS; the quality gate and `prefixgate tune` read a
+# grid point's settings through `setting_flags`, and which of them change numerics from NUMERIC.
+
+SETTING, ENGINE, SERVER = "setting", "engine", "server"     # a flag's scope (Flag.scope)
+_ENGINE_DEFAULT = object()      # Flag.default not given: EngineArgs' (or ServerArgs') default
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag: `--` and its name with dashes (vLLM's spelling), or `negated`."""
+    name: str                   # an EngineArgs field (scope setting or engine), else the server's
+    type: type = str            # str, int, float, or bool (a switch: given or not)
+    help: str | None = None     # as argparse reads it: %% for %, %(default)s
+    default: object = _ENGINE_DEFAULT
+    choices: tuple | range | None = None     # the values it takes (None: any of its type)
+    # False: the engine checks `choices` when it builds (argparse leaves the value alone)
+    parser_checks: bool = True
+    metavar: str | None = None
+    nargs: str | None = None
+    scope: str = SETTING        # SETTING: a grid point may change it; ENGINE: what is served and
+    #                             where (EngineArgs all the same); SERVER: the HTTP server's
+    numeric: bool = False       # changes what the model computes, not only how fast
+    neutral: str | None = None  # with numeric: the value that changes nothing (None: none does)
+    negated: str | None = None  # a default-on switch's flag that turns it off
+    hidden: bool = False        # not in --help (a test's fault injector)
+
+    @property
+    def option(self) -> str:
+        """What the command line says: --kv-cache-dtype; --no-prefix-caching."""
+        return self.negated or flag_name(self.name)
+
+    @property
+    def engine(self) -> bool:
+        return self.scope != SERVER
+
+
+def _filled(flags: tuple[Flag, ...]) -> tuple[Flag, ...]:
+    """`flags` with each default not given taken from EngineArgs or ServerArgs."""
+    defaults = {**dataclasses.asdict(ServerArgs(engine=None)), **dataclasses.asdict(EngineArgs())}
+    return tuple(f if f.default is not _ENGINE_DEFAULT
+                 else dataclasses.replace(f, default=defaults[f.name]) for f in flags)
+
+
+FLAGS = _filled((     # in --help's order
+    # the model
+    Flag("model", default=DEFAULT_MODEL, scope=ENGINE,
+         help="a Hugging Face model dir, a .gguf file, or a built-in name: "
+         f"{DEFAULT_MODEL} (the default), demo (tiny, random weights)"),
+    Flag("host", scope=SERVER),
+    Flag("port", int, scope=SERVER),
+    Flag("tokenizer", metavar="MODEL", scope=ENGINE,
+         help="take the tokenizer and chat template from here instead: a directory with "
+         "tokenizer.json, a .gguf file, or a built-in name (default: --model's)"),
+    Flag("served_model_name", nargs="+", metavar="NAME", scope=ENGINE,
+         help="names the model answers to; the first is the one responses carry (default: a "
+         "built-in model's name, the dir's name, or the .gguf file's stem)"),
+    Flag("dtype", choices=DTYPES, parser_checks=False, numeric=True,
+         help=" | ".join(DTYPES) + " (default: fp32 on CPU, bf16/fp16 on CUDA)"),
+    Flag("device", help="auto | cpu | cuda | cuda:N"),
+    Flag("load_format", choices=LOAD_FORMATS,
+         help="mmap (default): weights memory-mapped from the safetensors files, paged in on "
+         "first use and shared through the page cache; eager: read whole into memory before "
+         "serving (no page faults on first requests)"),
+    # the KV cache
+    Flag("block_size", int, help="tokens per KV block"),
+    Flag("num_kv_blocks", int, help="KV cache size in blocks"),
+    Flag("kv_cache_memory", help="KV cache size in bytes, e.g. 2GiB (default: 1GiB on CPU, "
+         "85%% of free memory on CUDA)"),
+    Flag("kv_cache_dtype", choices=KV_CACHE_DTYPE_NAMES, parser_checks=False, numeric=True,
+         neutral="auto", help="auto | fp8 (e4m3) | float16 | bfloat16 | float32"),
+    Flag("max_model_len", int, help="context limit (default: the model's)"),
+    # a fault injector, not a feature: the quality gate's tests plant it to check that the gate
+    # catches a KV cache less precise than FP8 (`prefixgate bench --scenario quality`)
+    Flag("debug_kv_mantissa_bits", int, choices=range(0, 23), metavar="N", numeric=True,
+         hidden=True),
+    # scheduling
+    Flag("max_num_seqs", int),
+    Flag("max_num_batched_tokens", int,
+         help="token budget of one step (default: 512 on CPU, 2048 on CUDA)"),
+    Flag("long_prefill_token_threshold", int,
+         help="tokens guaranteed each step to the oldest prefill, so short prompts cannot "
+         "starve it (default: budget/4)"),
+    Flag("step_overhead_tokens", int,
+         help="a step's fixed cost in tokens of compute: steps stop growing once more prefill "
+         "would delay first tokens more than it saves (default: 32 on CPU; 0 on CUDA: fill "
+         "every step)"),
+    Flag("enable_chunked_prefill", bool, negated="--no-chunked-prefill",
+         help="take prompts whole (baseline)"),
+    Flag("enable_prefix_caching", bool, negated="--no-prefix-caching"),
+    Flag("attention_backend", choices=ATTENTION_BACKENDS, numeric=True, neutral="auto"),
+    Flag("enforce_eager", bool, help="no CUDA graphs"),
+    # serving
+    Flag("default_max_tokens", int, scope=SERVER, help="max_tokens when a request sets none"),
+    Flag("skip_server_warmup", bool, default=False, scope=SERVER,
+         help="serve at once: no warm-up run before /health says 200 (the first requests then "
+         "pay for page faults, allocator growth and kernel compilation)"),
+    Flag("otlp_traces_endpoint", default=None, metavar="URL", scope=SERVER,
+         help="send one `llm_request` span per request to this OTLP/HTTP collector, e.g. "
+         "http://localhost:4318 (needs the `otel` extra)"),
+    Flag("otlp_service_name", default=None, scope=SERVER,
+         help="the spans' service.name (default: $OTEL_SERVICE_NAME or prefixgate-engine)"),
+    # prefill/decode disaggregation
+    Flag("role", choices=ROLES, scope=ENGINE,
+         help="prefill: answer leg 1 of a P/D pair and hold the prompt's KV for a decode "
+         "engine; decode: pull it and decode (kv_transfer_params, as vLLM's KV connectors); "
+         "both (default)"),
+    Flag("kv_transfer_host", scope=ENGINE,
+         help="where the KV transfer server listens (prefill, both; default: --host)"),
+    Flag("kv_transfer_port", int, scope=ENGINE,
+         help="its port (default 0: a free one; answers carry the real one)"),
+    Flag("kv_transfer_timeout", float, scope=ENGINE,
+         help="seconds a prefill engine holds a prompt's KV for its pull, and a pull may take "
+         "(default %(default)s)"),
+    # features
+    Flag("speculative_config", metavar="JSON", scope=ENGINE,
+         help='prompt-lookup speculative decoding, as vLLM\'s: \'{"method": "ngram", '
+         '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+         '(also disable_by_batch_size, min_acceptance_rate)'),
+    Flag("kv_offloading_size", float, metavar="GiB",
+         help="a second KV tier of this many GiB (as vLLM's flag): blocks evicted from the KV "
+         "cache are kept there and loaded back on a prefix hit instead of recomputed; pinned "
+         "host memory on CUDA, a memory-mapped file on CPU (default 0: off)"),
+    Flag("kv_offloading_path", metavar="DIR", scope=ENGINE,
+         help="on CPU, the directory of the second tier's file, e.g. on a fast local disk "
+         "(default: the temp dir; the file is unlinked at once, so it never outlives the "
+         "engine)"),
+    Flag("kv_events_config", metavar="JSON", scope=ENGINE,
+         help='publish KV cache events over ZMQ in vLLM\'s format, as vLLM\'s flag: '
+         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+         '"topic": "kv-events", "replay_endpoint": "tcp://*:5558"}\' (also buffer_steps, hwm, '
+         'max_queue_size; a port 0 binds a free one)'),
+    Flag("log_level", default="info", scope=SERVER),
+))
+FLAG = {f.name: f for f in FLAGS}
+# the settings a grid point (the quality gate's candidate, a `prefixgate tune` point) may change
+SETTINGS = {f.name: f for f in FLAGS if f.scope == SETTING}
+# the flags that change what the model computes (the quality gate's business), each with the
+# value that changes nothing (None: any value changes something)
+NUMERIC = {f.name: f.neutral for f in FLAGS if f.numeric}
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def setting_flags(text: str) -> list[str]:
+    """Engine settings as `prefixgate backend` flags: `name=value` pairs joined by commas, each
+    name an EngineArgs field (`SETTINGS`), 'kv_cache_dtype=fp8' -> ['--kv-cache-dtype', 'fp8'];
+    a switch as 'enforce_eager' or 'enforce_eager=true'; '' or 'baseline': the defaults ([]).
+    ConfigError(repr(text), what is wrong)."""
+    flags: list[str] = []
+    if text.strip() in ("", "baseline"):
+        return flags
+    for item in text.strip().split(","):
+        name, eq, value = (s.strip() for s in item.strip().partition("="))
+        name = name.replace("-", "_").lstrip("_")
+        problem = setting_problem(name, value, bool(eq))
+        if problem:
+            raise ConfigError(repr(text), problem)
+        f = SETTINGS[name]
+        if f.type is not bool:
+            flags += [f.option, value]
+        elif (not eq or value.lower() in _TRUE) != bool(f.negated):     # on, or off if negated
+            flags.append(f.option)
+    return flags
+
+
+def setting_problem(name: str, value: str, has_value: bool) -> str | None:
+    """Why `name=value` is no engine setting `prefixgate backend` takes (None: it is one)."""
+    f = SETTINGS.get(name)
+    if f is None:
+        known = ", ".join(sorted(k for k, s in SETTINGS.items() if not s.hidden))
+        return f"{name!r} is no engine setting (one of: {known})"
+    if f.type is bool:
+        if has_value and value.lower() not in _TRUE + _FALSE:
+            return f"{name} takes true or false, got {value!r}"
+        return None
+    if not has_value or not value:
+        return f"{name} needs a value ({name}=...)"
+    if f.type is int and not re.fullmatch(r"-?\d+", value):
+        return f"{name} takes an integer, got {value!r}"
+    if f.type is float and not _is_number(value):
+        return f"{name} takes a number, got {value!r}"
+    if f.choices is not None and value not in map(str, f.choices):
+        return f"{name} takes one of {choices_text(f.choices)}, got {value!r}"
+    return None
+
+
+def choices_text(choices: tuple | range) -> str:
+    if isinstance(choices, range):
+        return f"{choices.start}..{choices.stop - 1}"
+    return ", ".join(choices)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False

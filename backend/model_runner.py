@@ -17,13 +17,15 @@ import re
 import torch
 
 from prefixgate.backend.attention import AttentionMetadata
+from prefixgate.backend.config import KV_CACHE_TORCH_DTYPES
 from prefixgate.backend.sampling import sample, verify
 from prefixgate.backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("prefixgate.engine")
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# --kv-cache-dtype's names (backend/config.py) as torch dtypes; None (auto): the model's
+KV_CACHE_DTYPES = {name: None if attr is None else getattr(torch, attr)
+                   for name, attr in KV_CACHE_TORCH_DTYPES.items()}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
