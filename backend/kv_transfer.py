@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from prefixgate.backend.async_engine import AsyncEngine, RequestStream
 from prefixgate.backend.config import ROLES
-from prefixgate.backend.engine import AsyncEngine, RequestStream
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.sequence import Sequence
 from prefixgate.common.errors import HTTPError

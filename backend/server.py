@@ -44,8 +44,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixgate.backend import kv_transfer
+from prefixgate.backend.async_engine import AsyncEngine
 from prefixgate.backend.config import DEFAULT_MAX_TOKENS, ServerArgs
-from prefixgate.backend.engine import AsyncEngine, LLMEngine
+from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.openai import (
     ResponseFormat,
