@@ -61,6 +61,7 @@ from prefixgate.backend.openai import (
 from prefixgate.backend.timing import RequestTiming
 from prefixgate.common import server_timing, tracing
 from prefixgate.common.errors import HTTPError
+from prefixgate.common.routes import add_routes
 from prefixgate.common.runtime import json_errors_middleware, start_app
 from prefixgate.common.schema import is_type
 
@@ -93,13 +94,15 @@ class EngineServer:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        add_routes(app, {
+            "POST /v1/chat/completions": self.chat,
+            "POST /v1/completions": self.completions,
+            "POST /tokenize": self.tokenize,
+            "POST /detokenize": self.detokenize,
+            "GET /v1/models": self.models,
+            "GET /health": self.health,
+            "GET /metrics": self.metrics,
+        })
         return app
 
     async def _request_body(self, request: web.Request) -> dict:

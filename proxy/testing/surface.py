@@ -27,6 +27,8 @@ from dataclasses import replace
 from aiohttp import MultipartReader, web
 from aiohttp.streams import StreamReader
 
+from prefixgate.common.routes import add_routes
+
 MAX_MODEL_LEN = 4096
 EVENT_STREAM = "text/event-stream; charset=utf-8"     # as vLLM (FastAPI) labels its streams
 MODERATION_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening",
@@ -200,20 +202,22 @@ class Surface:
     _count_connection, responses, running, completed, aborted and _background)."""
 
     def add_surface(self, app: web.Application) -> None:
-        app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/v1/responses", self.create_response)
-        app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
-        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel_response)
-        for path in ("/v1/rerank", "/rerank"):
-            app.router.add_post(path, self.rerank)
-        for path in ("/v1/score", "/score"):
-            app.router.add_post(path, self.score)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_post("/v1/moderations", self.moderations)
-        app.router.add_post("/v1/audio/transcriptions", self.audio)
-        app.router.add_post("/v1/audio/translations", self.audio)
-        app.router.add_post("/generate", self.sglang_generate)
+        add_routes(app, {
+            "POST /v1/embeddings": self.embeddings,
+            "POST /v1/responses": self.create_response,
+            "GET /v1/responses/{response_id}": self.retrieve_response,
+            "POST /v1/responses/{response_id}/cancel": self.cancel_response,
+            "POST /v1/rerank": self.rerank,
+            "POST /rerank": self.rerank,
+            "POST /v1/score": self.score,
+            "POST /score": self.score,
+            "POST /tokenize": self.tokenize,
+            "POST /detokenize": self.detokenize,
+            "POST /v1/moderations": self.moderations,
+            "POST /v1/audio/transcriptions": self.audio,
+            "POST /v1/audio/translations": self.audio,
+            "POST /generate": self.sglang_generate,
+        })
 
     async def _json_request(self, request: web.Request, check_model: bool = False):
         """(body, behaviour) after counting and recording, or (None, error response); with
