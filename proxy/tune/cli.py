@@ -142,7 +142,8 @@ def quality_gate(args, w: Workload):
     flags against its defaults, on the gate's prompts (proxy/bench/quality.py). Another
     engine's (--engine-cmd) numerics are not gated: reported, never recommended (--no-gate:
     recommended untested)."""
-    from prefixgate.proxy.bench.quality import Gate, Suite
+    from prefixgate.proxy.bench.quality import Gate
+    from prefixgate.proxy.bench.quality_prompts import Suite
     if args.engine_cmd:
         async def untested(point) -> dict:
             return {"passed": False, "note": "not gated: the gate runs the bundled engine"}

@@ -5,12 +5,13 @@
 A name is an engine flag in vLLM's spelling with underscores for dashes
 (`max_num_batched_tokens` is `--max-num-batched-tokens` on the bundled engine and on vLLM), so
 one grid runs on both; the points are the cross product of the values. For the bundled engine
-each point is read as the quality gate reads a candidate (proxy/bench/quality.py
-`flags_from_spec`: a name that is no engine setting, or a value it does not take, fails before
-any engine starts); for another engine (`--engine-cmd`) a name becomes its flag as it is, and
-`name=true,false` gives a switch or leaves it out. `attention_backend=available` is every
-backend the engine can run on this device. Points whose values change the numerics
-(`NUMERIC`) pass the quality gate before they can be recommended.
+each point is read from the engine's flag table, as the quality gate reads a candidate
+(backend/config.py `setting_flags`: a name that is no engine setting, or a value it does not
+take, fails before any engine starts); for another engine (`--engine-cmd`) a name becomes its
+flag as it is, and `name=true,false` gives a switch or leaves it out.
+`attention_backend=available` is every backend the engine can run on this device. Points whose
+values change the numerics (backend/config.py `NUMERIC`) pass the quality gate before they can
+be recommended.
 """
 from __future__ import annotations
 
@@ -18,12 +19,9 @@ import itertools
 import re
 from dataclasses import dataclass
 
-from prefixgate.proxy.bench.quality import SpecError, flags_from_spec
+from prefixgate.backend.config import NUMERIC, flag_name, setting_flags
+from prefixgate.common.schema import ConfigError
 
-# flags that change what the model computes, not only how fast (the quality gate's
-# business), with the value that changes nothing (None: any value changes something)
-NUMERIC = {"kv_cache_dtype": "auto", "attention_backend": "auto", "dtype": None,
-           "debug_kv_mantissa_bits": None}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _SWITCH = {"true": True, "false": False}
 
@@ -91,12 +89,12 @@ def engine_flags(values: tuple[tuple[str, str], ...], bundled: bool) -> list[str
     if bundled:
         spec = ",".join(f"{k}={v}" for k, v in values)
         try:
-            return flags_from_spec(spec)
-        except SpecError as e:
-            raise GridError(f"grid: {str(e).removeprefix('candidate ')}") from None
+            return setting_flags(spec)
+        except ConfigError as e:
+            raise GridError(f"grid: {e}") from None
     out: list[str] = []
     for name, value in values:
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         switch = _SWITCH.get(value.lower())
         if switch is None:
             out += [flag, value]

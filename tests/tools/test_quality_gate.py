@@ -9,12 +9,14 @@ import json
 
 import pytest
 
+from prefixgate.backend.config import KV_CACHE_DTYPE_NAMES
 from prefixgate.proxy.bench import quality
 from prefixgate.proxy.bench.prompts import load_tokenizer
+from prefixgate.proxy.bench.quality_prompts import Suite, long_questions, quotes, short_prompts
+from prefixgate.proxy.bench.quality_verdict import Thresholds, compare, parse_thresholds
 from tests.tools.helpers import run_cli
 
-SUITE = quality.Suite(prompts=4, max_tokens=8, contexts=(256, 512), questions=2,
-                      answer_tokens=8)
+SUITE = Suite(prompts=4, max_tokens=8, contexts=(256, 512), questions=2, answer_tokens=8)
 FAULT = ["--debug-kv-mantissa-bits", "1"]
 
 
@@ -51,26 +53,26 @@ def test_a_kv_cache_below_fp8_precision_fails_the_gate(gate_runs):
     m = fault["metrics"]
     assert not fault["passed"], fault
     assert not m["top1_agreement"]["passed"], m
-    assert m["top1_agreement"]["value"] < quality.Thresholds().top1_agreement
+    assert m["top1_agreement"]["value"] < Thresholds().top1_agreement
     assert fault["candidate_flags"] == FAULT
 
 
 def test_thresholds_can_be_overridden(gate_runs):
     gate, same, fault = gate_runs
-    lenient = quality.parse_thresholds("exact_match=0,top1_agreement=0,numbers_drop=1")
-    assert lenient == quality.Thresholds(exact_match=0.0, top1_agreement=0.0, numbers_drop=1.0)
+    lenient = parse_thresholds("exact_match=0,top1_agreement=0,numbers_drop=1")
+    assert lenient == Thresholds(exact_match=0.0, top1_agreement=0.0, numbers_drop=1.0)
     # the fault's own answers, judged again: nothing asked of them, they pass
     base, cand = gate.baseline, dataclasses.replace(gate.baseline, top1=[
         [-1] * len(t) for t in gate.baseline.top1])
-    assert quality.compare(base, cand, SUITE, lenient, gate.inputs)["passed"]
-    assert not quality.compare(base, cand, SUITE, quality.Thresholds(), gate.inputs)["passed"]
+    assert compare(base, cand, SUITE, lenient, gate.inputs)["passed"]
+    assert not compare(base, cand, SUITE, Thresholds(), gate.inputs)["passed"]
     # a stricter bar on the first divergence fails a candidate that stops short
     short = dataclasses.replace(base, outputs=[o[:1] for o in base.outputs])
-    strict = quality.parse_thresholds("first_divergence=0.5,exact_match=0")
-    verdict = quality.compare(base, short, SUITE, strict, gate.inputs)
+    strict = parse_thresholds("first_divergence=0.5,exact_match=0")
+    verdict = compare(base, short, SUITE, strict, gate.inputs)
     assert not verdict["metrics"]["first_divergence_median"]["passed"]
     assert verdict["metrics"]["first_divergence_median"]["value"] == 1
-    assert fault["thresholds"] == dataclasses.asdict(quality.Thresholds())
+    assert fault["thresholds"] == dataclasses.asdict(Thresholds())
 
 
 def test_candidate_specs_become_engine_flags():
@@ -97,7 +99,7 @@ def test_candidate_specs_become_engine_flags():
 
 def test_kv_cache_dtype_names_are_the_engines():
     from prefixgate.backend.model_runner import KV_CACHE_DTYPES
-    assert quality.KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
+    assert KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
 
 
 def test_planted_fault_rounds_to_the_asked_mantissa_bits():
@@ -110,18 +112,18 @@ def test_planted_fault_rounds_to_the_asked_mantissa_bits():
 
 
 def test_answers_are_scored_by_the_number_they_quote():
-    assert quality.quotes("The invoice was paid for $83,215.07.", "83,215.07")
-    assert quality.quotes("83215.07 dollars", "83,215.07")
-    assert quality.quotes("It weighed 1,284.0 kilograms", "1,284")
-    assert not quality.quotes("It weighed 1,284.5 kilograms", "1,284")
-    assert not quality.quotes("The answer is 83,215.", "83,215.07")
-    assert not quality.quotes("no number here", "12")
+    assert quotes("The invoice was paid for $83,215.07.", "83,215.07")
+    assert quotes("83215.07 dollars", "83,215.07")
+    assert quotes("It weighed 1,284.0 kilograms", "1,284")
+    assert not quotes("It weighed 1,284.5 kilograms", "1,284")
+    assert not quotes("The answer is 83,215.", "83,215.07")
+    assert not quotes("no number here", "12")
 
 
 def test_documents_hold_each_asked_number_once_within_the_context(tiny_llama_dir):
     tok = load_tokenizer(str(tiny_llama_dir))
     suite = dataclasses.replace(SUITE, contexts=(300, 900), questions=3)
-    questions = quality.long_questions(suite, tok, max_prompt_tokens=600)
+    questions = long_questions(suite, tok, max_prompt_tokens=600)
     assert [q.context for q in questions] == [300] * 3 + [900] * 3
     for q in questions:
         assert len(q.prompt_ids) <= min(q.context, 600), (q.context, len(q.prompt_ids))
@@ -134,9 +136,9 @@ def test_documents_hold_each_asked_number_once_within_the_context(tiny_llama_dir
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert tok.decode(a[:shared]).rstrip().endswith("Question:")
     # the same seed, the same prompts
-    assert quality.long_questions(suite, tok, 600) == questions
-    assert quality.short_prompts(SUITE) == quality.short_prompts(SUITE)
-    assert len({m[0]["content"] for m in quality.short_prompts(quality.Suite())}) == 16
+    assert long_questions(suite, tok, 600) == questions
+    assert short_prompts(SUITE) == short_prompts(SUITE)
+    assert len({m[0]["content"] for m in short_prompts(Suite())}) == 16
 
 
 async def test_a_bad_candidate_spec_is_a_clear_error():

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
-from prefixgate.proxy.bench.quality import Gate, Suite
+from prefixgate.proxy.bench.quality import Gate
+from prefixgate.proxy.bench.quality_prompts import Suite
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.tune.cli import report
 from prefixgate.proxy.tune.grid import GridError, Point, engine_flags, parse_grid
