@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import xxhash
 from prometheus_client import Counter
 
+from prefixgate.common import sse
 from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 from prefixgate.common.schema import ConfigError, Key, non_negative, positive
 from prefixgate.plugins.prefix_keys import prompt_token_ids
@@ -375,13 +376,12 @@ def answer_message(answer: dict | None, chunks: list[bytes]) -> dict | None:
             reply["tool_calls"] = message["tool_calls"]
         return reply
     text = []
-    for event in b"".join(chunks).split(b"\n\n"):
-        data = event.strip()
-        if not data.startswith(b"data:") or data[5:].strip() == b"[DONE]":
+    for raw in sse.events_in(chunks):
+        data = sse.data_of(raw)
+        if data is None or data == sse.DONE:
             continue
-        try:
-            obj = json.loads(data[5:])
-        except ValueError:
+        obj = sse.json_of(raw)
+        if not isinstance(obj, dict):
             return None
         for choice in obj.get("choices") or ():
             delta = choice.get("delta") or {}

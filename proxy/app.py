@@ -1,55 +1,37 @@
-"""The gateway's aiohttp app and its handlers. A proxied request goes parse → chain → decide
-→ exchange → relay → finish (DESIGN.md §2): each upstream tried is one exchange.Attempt (a P/D
-request's legs: pd.py), and the answer the client gets is relayed as the upstream sent it."""
+"""The gateway: its aiohttp app, its lifecycle and the handler every proxied request goes
+through — parse → chain → decide → exchange → relay → finish (DESIGN.md §2). Parsing is
+proxy/parse.py; each upstream tried is one exchange.Attempt (a P/D request's legs: pd.py),
+whose answer proxy/relay.py hands the client as the upstream sent it; the gateway's own
+endpoints are proxy/admin.py."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
-from collections import deque
-from urllib.parse import quote
+from functools import partial
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
-from prefixgate.common import server_timing
 from prefixgate.common.errors import HTTPError
-from prefixgate.common.runtime import encode_body, json_errors_middleware, parse_json_object
-from prefixgate.proxy import guard, pd, response_ids, route, token_forward, warm
+from prefixgate.common.runtime import encode_body, json_errors_middleware
+from prefixgate.proxy import admin, guard, pd, relay, response_ids, route, token_forward, warm
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.config import reload
 from prefixgate.proxy.context import RequestContext
 from prefixgate.proxy.endpoints import ENDPOINTS, Endpoint, passthrough
-from prefixgate.proxy.exchange import HOP_BY_HOP, RETRY_STATUSES, Attempt, UpstreamFailed, may_retry
-from prefixgate.proxy.observe import breakdown, usage
+from prefixgate.proxy.exchange import UpstreamFailed, may_retry
 from prefixgate.proxy.observe.observer import Observer
+from prefixgate.proxy.parse import parse, upstream_path
 from prefixgate.proxy.rate_limits import RateLimits
-from prefixgate.proxy.upstream import h1pool, multipart
+from prefixgate.proxy.relay import ClientGone
+from prefixgate.proxy.upstream import multipart
 from prefixgate.proxy.upstream.discovery import Discovery
 from prefixgate.proxy.upstream.health import Health
 from prefixgate.proxy.upstream.upstreams import Upstream
 
 log = logging.getLogger("prefixgate")
-
-# the upstream's own, replaced by the gateway's (Server-Timing: extended with its entries)
-REPLACED_ANSWER_HEADERS = frozenset({"date", "server", "server-timing"})
-STREAM_TAIL_CHUNKS = 3     # a stream's last chunks kept: its usage event is the last one
-
-
-class EventStreamResponse(web.StreamResponse):
-    """A streamed response whose headers go out in the same packet as the first event.
-
-    (aiohttp otherwise sends headers in a write of their own at prepare(); the flag is
-    aiohttp's own switch, used by web.Response.)
-    """
-    _send_headers_immediately = False
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the response was complete."""
 
 
 class Gateway:
@@ -126,10 +108,10 @@ class Gateway:
                               middlewares=[*observing, self._errors_middleware()])
         for endpoint in ENDPOINTS + passthrough(self.config["passthrough"]):
             app.router.add_route(endpoint.method, endpoint.path, self._handler(endpoint))
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/v1/models", partial(admin.models, self))
+        app.router.add_get("/health", partial(admin.health, self))
         if self.config.get("admin_listen") is None:
-            app.router.add_get("/metrics", self.handle_metrics)
+            app.router.add_get("/metrics", partial(admin.metrics, self))
 
         async def on_startup(_):
             await self.start()
@@ -143,8 +125,8 @@ class Gateway:
     def make_admin_app(self) -> web.Application:
         """/metrics and /health for `admin_listen:` (kept off the public address)."""
         app = web.Application(middlewares=[self._errors_middleware()])
-        app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/health", self.handle_health_detail)
+        app.router.add_get("/metrics", partial(admin.metrics, self))
+        app.router.add_get("/health", partial(admin.health_detail, self))
         return app
 
     def server_kw(self) -> dict:
@@ -204,7 +186,7 @@ class Gateway:
         chain.active += 1
         error: BaseException | None = None
         try:
-            await self._parse(request, ctx)
+            await parse(self, request, ctx)
             if endpoint.prompt:
                 for hook in chain.on_request:
                     await hook(ctx)
@@ -214,7 +196,7 @@ class Gateway:
         except HTTPError as e:
             error = e
             ctx.status, ctx.error = e.status, e.message
-            resp = e.response(self._our_headers(ctx))
+            resp = e.response(relay.our_headers(ctx))
             if e.headers.get("Connection") == "close":
                 resp.force_close()        # e.g. a trickled body: don't wait for the rest
             return resp
@@ -229,39 +211,6 @@ class Gateway:
             raise
         finally:
             self._finish(ctx, error)
-
-    async def _parse(self, request: web.Request, ctx: RequestContext) -> None:
-        """Who asks (their key and its limits), the body and the model it names, and the
-        upstream a stored response pins the request to."""
-        self._authenticate(ctx)
-        await self._read(request, ctx)
-        await self.limits.admit(ctx)             # per model too: after the body names it
-        if ctx.endpoint.prompt and warm.requested(ctx):
-            warm.prepare(ctx)                    # its prompt alone is computed
-        if ctx.endpoint.responses:
-            self._follow_response(request, ctx)
-        ctx.stamp("parsed")
-
-    def _follow_response(self, request: web.Request, ctx: RequestContext) -> None:
-        """A read, cancel or follow-up of a stored response: pinned to the upstream its id
-        names, which is sent its own id (proxy/response_ids.py)."""
-        in_path = request.match_info.get("response_id")
-        client_id = in_path or ctx.body.get("previous_response_id")
-        if not isinstance(client_id, str):
-            return
-        found = self.response_ids.unwrap(client_id, self.upstreams)
-        if found is None:
-            return
-        ctx.pin, upstream_id = found
-        if in_path is not None:
-            ctx.target = ctx.endpoint.path.format(response_id=quote(upstream_id, safe=""))
-        else:
-            ctx.body["previous_response_id"] = upstream_id
-            ctx.body_changed = True
-            ctx.previous_response = (client_id, upstream_id)
-
-    def _response_ids_for(self, ctx: RequestContext, up: Upstream) -> response_ids.Rewriter:
-        return response_ids.Rewriter(self.response_ids, up.name, ctx.previous_response)
 
     async def _route(self, ctx: RequestContext) -> None:
         """The request's flow (plain or P/D) and upstream, then its slot there (an `admit`
@@ -285,79 +234,7 @@ class Gateway:
             except Exception:
                 log.exception("plugin on_finish failed")
 
-    async def _read(self, request: web.Request, ctx: RequestContext) -> None:
-        """The request's body as its endpoint takes it, and the model it names."""
-        limits, kind = self.config["limits"], ctx.endpoint.body
-        if kind == "none":
-            return
-        if kind == "multipart":
-            await self._read_upload_head(request, ctx)
-            return
-        ctx.raw_body = await guard.read_body(request, limits["body_timeout_s"])
-        if kind == "raw":          # passthrough: routed by a JSON model when there is one
-            try:
-                ctx.body = parse_json_object(ctx.raw_body)
-            except HTTPError:
-                return
-            self._set_model(ctx, ctx.body.get("model"), rewrite=False)
-            ctx.stream = ctx.body.get("stream") is True
-            return
-        ctx.body = parse_json_object(ctx.raw_body)
-        guard.check_depth(ctx.body, limits["max_json_depth"])
-        if limits["validate_fields"]:
-            guard.check_fields(ctx.path, ctx.body)
-        ctx.stream = ctx.body.get("stream") is True
-        self._set_model(ctx, ctx.body.get("model"), rewrite=True)
-
-    async def _read_upload_head(self, request: web.Request, ctx: RequestContext) -> None:
-        """A multipart upload: only its head (the form fields before the file part) is read
-        here; `forward` streams the rest."""
-        limits = self.config["limits"]
-        if (request.content_length or 0) > limits["max_body_bytes"]:
-            raise guard.too_large(limits["max_body_bytes"])
-        boundary = multipart.boundary_of(request.headers.get("Content-Type", ""))
-        if boundary is None:
-            raise HTTPError(400, "expected a multipart/form-data body with a boundary",
-                            code="invalid_request")
-        spans: dict = {}
-        try:
-            async with asyncio.timeout(limits["body_timeout_s"]):
-                head, fields = await multipart.read_head(request.content, boundary,
-                                                         spans=spans)
-        except ValueError as e:
-            raise HTTPError(400, f"malformed multipart body: {e}",
-                            code="invalid_request") from None
-        except TimeoutError:
-            raise guard.too_slow(limits["body_timeout_s"]) from None
-        self._set_model(ctx, fields.get("model"), rewrite=False)
-        sent = head
-        if ctx.model is not None and ctx.model != fields["model"]:    # an alias: rewrite it
-            start, end = spans["model"]
-            sent = head[:start] + ctx.model.encode() + head[end:]
-        ctx.raw_body, ctx.stream = sent, fields.get("stream") == "true"
-        if request.content_length is not None:      # else it goes on chunked, as it came
-            ctx.upload_length = request.content_length - len(head) + len(sent)
-
-    def _set_model(self, ctx: RequestContext, model, rewrite: bool) -> None:
-        """ctx.model from the body's field, through `model_aliases` (rewritten in a JSON
-        body here, so the backend sees the name it serves; an upload's by its reader)."""
-        if not isinstance(model, str):
-            return
-        served = self.config["model_aliases"].get(model)
-        if served is not None:
-            model = served
-            if rewrite:
-                ctx.body["model"] = served
-                ctx.body_changed = True
-        ctx.model = model
-
-    def _authenticate(self, ctx: RequestContext) -> None:
-        key = self.auth.identify(ctx.headers)
-        if key is not None:
-            ctx.key = key
-            ctx.priority = key.priority or 0
-
-    # --- exchange and relay ----------------------------------------------------------------
+    # --- exchange ---------------------------------------------------------------------------
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
         data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
@@ -369,7 +246,8 @@ class Gateway:
             try:
                 if pd.active(ctx):
                     return await pd.exchange(self, request, ctx, data)   # a prefill leg first
-                return await self.relay(request, ctx, ctx.upstream, data)
+                return await relay.answer(self, request, ctx, ctx.upstream, data,
+                                          token_forward.applies(ctx, ctx.upstream))
             except UpstreamFailed as e:
                 ctx.tried.append(ctx.upstream)
                 failed = HTTPError(502, f"upstream {ctx.upstream.name} failed: {e}",
@@ -380,232 +258,3 @@ class Gateway:
                     ctx.upstream = self.decide(ctx, ctx.tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
-
-    async def relay(self, request, ctx, up: Upstream, data) -> web.StreamResponse:
-        """One attempt on `up` whose answer the client gets (the plain path, a P/D decode
-        leg), relayed whole or as a stream; UpstreamFailed: another upstream may take it."""
-        path, as_tokens = ctx.target, self._as_tokens(ctx, up)
-        if as_tokens:
-            path = "/v1/completions"
-            data = encode_body(token_forward.chat_to_completions(ctx.body, ctx.tokens))
-        with Attempt(self, ctx, up, path) as attempt:
-            first = await attempt.send(ctx.endpoint.method, data, ctx.upload_length,
-                                       read="first" if ctx.stream else "head")
-            upstream_resp = attempt.resp
-            ctx.upstream_timing = _header(upstream_resp, b"server-timing")
-            if upstream_resp.status in RETRY_STATUSES and may_retry(self, ctx,
-                                                                    [*ctx.tried, up]):
-                raise attempt.give_up()
-            if ctx.stream and is_event_stream(upstream_resp):
-                return await self._relay_stream(request, ctx, attempt, first,
-                                                token_forward.StreamConverter() if as_tokens
-                                                else None)
-            return await self._relay_whole(request, ctx, attempt, first, as_tokens)
-
-    @staticmethod
-    def _as_tokens(ctx: RequestContext, up: Upstream) -> bool:
-        """Send this chat as token ids? (`forward: tokens` and prerender's tokens at hand)"""
-        return (up.cfg.get("forward") == "tokens" and ctx.tokens is not None
-                and not pd.active(ctx)                     # P/D legs go as the client sent
-                and ctx.path == "/v1/chat/completions" and token_forward.eligible(ctx.body))
-
-    async def _relay_whole(self, request, ctx, attempt: Attempt, first: bytes,
-                           as_tokens: bool = False) -> web.Response:
-        up, upstream_resp = attempt.up, attempt.resp
-        try:
-            async with asyncio.timeout(up.timeouts["idle"]):
-                rest = await upstream_resp.read_all()
-        except (TimeoutError, h1pool.UpstreamError) as e:
-            attempt.broken(describe(e))
-            raise HTTPError(502, f"upstream {up.name} failed mid-response: {describe(e)}",
-                            code="upstream_error") from None
-        body = first + rest
-        answer = self._answer(ctx, upstream_resp, body)
-        problem = broken_success(upstream_resp, answer) if ctx.endpoint.prompt else None
-        if problem:
-            attempt.broken(problem)
-            raise HTTPError(502, f"upstream {up.name} {problem}", code="upstream_bad_response")
-        if as_tokens and upstream_resp.status == 200:
-            body = encode_body(token_forward.completion_to_chat(answer))
-        if ctx.endpoint.responses and upstream_resp.status == 200 and isinstance(answer, dict):
-            body = encode_body(self._response_ids_for(ctx, up).whole(answer))
-        if ctx.warm == "api" and upstream_resp.status == 200:
-            body = encode_body(self.warmer.answered(ctx, up.name, answer))
-        ctx.stamp("first_byte")
-        ctx.client_has_bytes = True
-        for hook in ctx.chain.on_first_byte:
-            hook(ctx)
-        ctx.status, ctx.bytes_out = upstream_resp.status, len(body)
-        return web.Response(status=upstream_resp.status, body=body,
-                            headers=self._response_headers(ctx, upstream_resp))
-
-    def _answer(self, ctx, upstream_resp, body: bytes) -> dict | None:
-        """A whole JSON answer, parsed when it is checked (chat/completions), rewritten (the
-        Responses API's ids), observed or counted (its usage, model and error message go
-        into ctx)."""
-        if "json" not in upstream_resp.content_type or not (
-                ctx.endpoint.prompt or ctx.endpoint.responses or self.observer is not None
-                or self.limits.counts_tokens):
-            return None
-        small = (ctx.endpoint.prompt or ctx.endpoint.responses
-                 or len(body) <= usage.WHOLE_PARSE_BYTES)
-        answer = usage.from_body(body) if small else usage.from_large_body(body)
-        if answer is not None:
-            ctx.answer = answer
-            ctx.usage, model = answer.get("usage"), answer.get("model")
-            ctx.response_model = model if isinstance(model, str) else None
-            if upstream_resp.status >= 400:
-                ctx.error = usage.error_message(answer)
-        return answer
-
-    async def _relay_stream(self, request, ctx, attempt: Attempt, first: bytes,
-                            convert: token_forward.StreamConverter | None = None
-                            ) -> web.StreamResponse:
-        """Write each upstream chunk to the client as it arrives (`convert`: token-id
-        completions rewritten into chat chunks, or the Responses API's ids swapped for the
-        client's, event by event)."""
-        up, upstream_resp = attempt.up, attempt.resp
-        resp = EventStreamResponse(status=upstream_resp.status,
-                                   headers=self._response_headers(ctx, upstream_resp))
-        ctx.status = upstream_resp.status
-        chain = ctx.chain
-        on_chunk = chain.on_chunk
-        idle = up.timeouts["idle"]
-        if convert is None and ctx.endpoint.responses:      # the client's response ids
-            convert = self._response_ids_for(ctx, up)
-        keep_tail = self.observer is not None or chain.keeps_tail or self.limits.counts_tokens
-        tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if keep_tail else None
-        try:
-            ctx.stamp("first_byte")
-            ctx.client_has_bytes = True      # from here on the answer is the client's
-            await resp.prepare(request)      # headers are held back and sent with the first chunk
-            chunk = first
-            for hook in chain.on_first_byte:
-                hook(ctx)
-            while chunk:
-                ctx.chunks += chunk.count(b"data:")
-                ctx.bytes_out += len(chunk)
-                if tail is not None:
-                    tail.append(chunk)
-                for hook in on_chunk:
-                    hook(ctx, chunk)
-                if convert is not None:
-                    chunk = convert.feed(chunk) + (convert.flush() if upstream_resp.is_eof()
-                                                   else b"")
-                if upstream_resp.is_eof():   # last piece: send it with the chunked terminator
-                    await resp.write_eof(chunk)
-                    return resp
-                if chunk:
-                    await resp.write(chunk)
-                try:
-                    async with asyncio.timeout(idle):
-                        chunk = await upstream_resp.read()
-                except (TimeoutError, h1pool.UpstreamError) as e:
-                    attempt.broken(describe(e))
-                    err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
-                                    code="upstream_error")
-                    ctx.status, ctx.error = 502, err.message
-                    await resp.write(err.sse_event())
-                    break
-            await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
-            raise ClientGone(str(e)) from None
-        return resp
-
-    # --- headers ---------------------------------------------------------------------------
-    def _our_headers(self, ctx: RequestContext) -> dict[str, str]:
-        headers = {"x-prefixgate-request-id": ctx.request_id, **ctx.response_headers}
-        if ctx.upstream is not None:
-            headers["x-prefixgate-upstream"] = ctx.upstream.name
-        return headers
-
-    def _response_headers(self, ctx, upstream_resp) -> CIMultiDict:
-        headers = CIMultiDict()
-        for name, value in upstream_resp.headers:
-            key = name.decode("latin-1")
-            if key.lower() not in HOP_BY_HOP and key.lower() not in REPLACED_ANSWER_HEADERS:
-                headers.add(key, value.decode("latin-1"))
-        if ctx.stream:
-            headers["Cache-Control"] = "no-cache"
-            headers["X-Accel-Buffering"] = "no"       # tell any proxy in front not to buffer
-        headers.update(self._our_headers(ctx))
-        headers[server_timing.HEADER] = breakdown.header(ctx)
-        return headers
-
-    # --- other endpoints -------------------------------------------------------------------
-    async def handle_models(self, request: web.Request) -> web.Response:
-        """Every healthy upstream's models (asked afresh, which also updates routing), and
-        the `model_aliases` names beside the models they stand for."""
-        self.auth.identify(request.headers)
-        healthy = [u for u in self.upstreams if u.healthy]
-        await asyncio.gather(*(self.health.refresh_models(u) for u in healthy))
-        known = [u for u in healthy if u.models is not None]
-        if not known:
-            raise HTTPError(502, "no upstream answered /v1/models", code="upstream_unavailable")
-        merged: dict[str, dict] = {}
-        for up in known:
-            for card in up.model_cards or []:
-                if card["id"] in up.models:
-                    merged.setdefault(card["id"], card)
-            for model in sorted(up.models - merged.keys()):     # a static `models:` list
-                merged[model] = {"id": model, "object": "model", "owned_by": "prefixgate"}
-        for public, served in self.config["model_aliases"].items():
-            if served in merged:
-                merged.setdefault(public, {**merged[served], "id": public, "root": served})
-        return web.json_response({"object": "list", "data": list(merged.values())})
-
-    async def handle_health(self, request: web.Request) -> web.Response:
-        # with an admin address, the public /health says only up or down: upstream names,
-        # addresses and errors are for operators
-        return self._health(detail=self.config.get("admin_listen") is None)
-
-    async def handle_health_detail(self, request: web.Request) -> web.Response:
-        return self._health(detail=True)
-
-    def _health(self, detail: bool) -> web.Response:
-        ok = any(u.healthy for u in self.upstreams)
-        body: dict = {"status": "ok" if ok else "unavailable"}
-        if detail:
-            body["upstreams"] = {u.name: self.health.report(u) for u in self.upstreams}
-        return web.json_response(body, status=200 if ok else 503)
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def broken_success(resp: h1pool.Response, answer: dict | None) -> str | None:
-    """Why a 2xx completion answer cannot come from an OpenAI-compatible server, if it can't
-    (`answer`: its body parsed as a JSON object, or None)."""
-    if not 200 <= resp.status < 300 or resp.content_type == "text/event-stream":
-        return None
-    if "json" not in resp.content_type:
-        return f"sent a non-JSON answer ({resp.content_type or 'no content type'})"
-    if answer is None:
-        return "sent invalid JSON (not a JSON object)"
-    return None
-
-
-def _header(resp: h1pool.Response, name: bytes) -> str | None:
-    value = resp.header(name)
-    return value.decode("latin-1") if value is not None else None
-
-
-def is_event_stream(resp: h1pool.Response) -> bool:
-    return resp.status == 200 and resp.content_type == "text/event-stream"
-
-
-def describe(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
-        return "idle timeout"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def upstream_path(endpoint: Endpoint, request: web.Request) -> str:
-    """The endpoint's route with its path parts filled in, each percent-encoded (a response
-    id can never add a path segment of its own)."""
-    if "{" not in endpoint.path:
-        return endpoint.path
-    return endpoint.path.format(**{k: quote(v, safe="")
-                                   for k, v in request.match_info.items()})
-

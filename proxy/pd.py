@@ -47,7 +47,7 @@ from aiohttp import web
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import encode_body
 from prefixgate.common.schema import REQUIRED, ConfigError, Key, check, one_of
-from prefixgate.proxy import route
+from prefixgate.proxy import relay, route, token_forward
 from prefixgate.proxy.exchange import Attempt, UpstreamFailed, may_retry
 from prefixgate.proxy.observe import usage
 
@@ -149,12 +149,13 @@ async def exchange(gw, request: web.Request, ctx, data: bytes) -> web.StreamResp
             if e.refused or not may_retry(gw, ctx, tried, route.PREFILL):
                 break
             continue
-        return await gw.relay(request, ctx, decode,
-                              encode_body({**ctx.body, "kv_transfer_params": params}))
+        return await relay.answer(gw, request, ctx, decode,
+                                  encode_body({**ctx.body, "kv_transfer_params": params}))
     ctx.pd, ctx.prefill_upstream = FALLBACK, None
     ctx.response_headers.pop("x-prefixgate-prefill-upstream", None)
     ctx.response_headers["x-prefixgate-pd"] = FALLBACK
-    return await gw.relay(request, ctx, decode, data)
+    return await relay.answer(gw, request, ctx, decode, data,
+                              token_forward.applies(ctx, decode))
 
 
 async def _vllm_prefill(gw, ctx, up) -> dict:
@@ -180,7 +181,7 @@ async def _sglang_pair(gw, request, ctx, prefill, decode) -> web.StreamResponse:
                         "bootstrap_port": prefill.cfg["bootstrap_port"],
                         "bootstrap_room": random.getrandbits(63)})
     prefill_leg = asyncio.ensure_future(_sglang_prefill(gw, ctx, prefill, data))
-    decode_leg = asyncio.ensure_future(gw.relay(request, ctx, decode, data))
+    decode_leg = asyncio.ensure_future(relay.answer(gw, request, ctx, decode, data))
     try:
         await asyncio.wait((prefill_leg, decode_leg), return_when=asyncio.FIRST_COMPLETED)
         if (prefill_leg.done() and prefill_leg.exception() is not None

@@ -27,6 +27,7 @@ import secrets
 
 import xxhash
 
+from prefixgate.common import sse
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.schema import Key, check
 
@@ -84,17 +85,18 @@ def not_found(client_id: str, why: str = "not issued by this gateway fleet") -> 
                      code="response_not_found")
 
 
-class Rewriter:
-    """Puts the client's ids in place of the upstream's in one answer: its own id (learned from
-    the answer) and the id it continued (`previous_response_id`, known from the request)."""
+class Rewriter(sse.EventRewriter):
+    """The answer rewriter (proxy/rewrite.py) of the Responses API: the client's ids in place
+    of the upstream's in one answer — its own id (learned from the answer) and the id it
+    continued (`previous_response_id`, known from the request)."""
 
     def __init__(self, ids: ResponseIds, upstream: str, previous: tuple[str, str] | None):
+        super().__init__()
         self.ids, self.upstream = ids, upstream
         self.swaps: list[tuple[bytes, bytes]] = []       # (quoted upstream id, quoted client's)
         if previous is not None:
             self._swap(previous[1], previous[0])
         self.own_known = False                  # the answer's own id is among the swaps
-        self._carry = b""
 
     def _swap(self, upstream_id: str, client_id: str) -> None:
         self.swaps.append((json.dumps(upstream_id).encode(), json.dumps(client_id).encode()))
@@ -118,28 +120,16 @@ class Rewriter:
         quoted = json.dumps(upstream_id).encode()
         return next((json.loads(c) for up, c in self.swaps if up == quoted), upstream_id)
 
-    def feed(self, chunk: bytes) -> bytes:
-        """Stream bytes in; the complete events among them out, ids swapped. An event's
-        bytes are held only until its end, so an id split between reads is still found."""
-        data = self._carry + chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
-            self._carry = data
-            return b""
-        events, self._carry = data[:end], data[end:]
+    def event(self, raw: bytes) -> bytes:
+        """One streamed event, ids swapped (whole events only: an id split between reads is
+        still found)."""
         if not self.own_known:
-            m = _STREAM_ID.search(events)
+            m = _STREAM_ID.search(raw)
             if m is not None:
                 self.learn(json.loads(b'"' + m.group(1) + b'"'))
         for up, client in self.swaps:
-            events = events.replace(up, client)
-        return events
-
-    def flush(self) -> bytes:
-        rest, self._carry = self._carry, b""
-        for up, client in self.swaps:
-            rest = rest.replace(up, client)
-        return rest
+            raw = raw.replace(up, client)
+        return raw
 
 
 # the response object's id in a Responses API stream (`response.created` comes first)

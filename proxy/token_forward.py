@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from prefixgate.common import sse
+
 # chat fields that change what the chat endpoint itself must do: such requests stay chat
 CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_format",
              "logprobs", "top_logprobs", "reasoning_effort", "parallel_tool_calls")
@@ -29,6 +31,13 @@ def eligible(body: dict) -> bool:
     return isinstance(messages, list) and not any(body.get(k) for k in CHAT_ONLY) \
         and body.get("n", 1) in (1, None) and body.get("echo") is None \
         and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+
+
+def applies(ctx, up) -> bool:
+    """Send this chat to `up` as token ids? (`forward: tokens` on the upstream, prerender's
+    tokens at hand, a chat that qualifies; P/D legs never ask: they go as the client sent.)"""
+    return (up.cfg.get("forward") == "tokens" and ctx.tokens is not None
+            and ctx.path == "/v1/chat/completions" and eligible(ctx.body))
 
 
 def chat_to_completions(body: dict, tokens: list[int]) -> dict:
@@ -68,42 +77,22 @@ def completion_to_chat(resp: dict, stream: bool = False, first: bool = True) -> 
     return out
 
 
-class StreamConverter:
-    """Rewrites a completions SSE stream into a chat SSE stream, event by event.
-
-    Bytes may arrive split anywhere; whole events (ending in a blank line) are converted and
-    returned, the rest is held until its end arrives.
-    """
+class ChatFromCompletions(sse.EventRewriter):
+    """The answer rewriter (proxy/rewrite.py) of a chat sent as token ids: a completions
+    answer, whole or streamed event by event, in chat form."""
 
     def __init__(self):
-        self._buf = b""
+        super().__init__()
         self._first = True
 
-    def feed(self, data: bytes) -> bytes:
-        self._buf += data
-        out = []
-        while True:
-            cut = self._buf.find(b"\n\n")
-            if cut < 0:
-                break
-            event, self._buf = self._buf[:cut], self._buf[cut + 2:]
-            out.append(self._event(event) + b"\n\n")
-        return b"".join(out)
+    def whole(self, answer: dict) -> dict:
+        return completion_to_chat(answer)
 
-    def flush(self) -> bytes:
-        rest, self._buf = self._buf, b""
-        return rest
-
-    def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            return event
-        try:
-            obj = json.loads(event[6:])
-        except ValueError:
-            return event
+    def event(self, raw: bytes) -> bytes:
+        obj = sse.json_of(raw)
         if not isinstance(obj, dict):
-            return event
+            return raw                  # [DONE], a comment, not JSON: as it came
         chat = completion_to_chat(obj, stream=True, first=self._first)
         if obj.get("choices"):
             self._first = False
-        return b"data: " + json.dumps(chat, ensure_ascii=False).encode()
+        return b"data: " + json.dumps(chat, ensure_ascii=False).encode() + b"\n\n"

@@ -56,6 +56,23 @@ def prepare(ctx) -> None:
     ctx.warm = "api"
 
 
+class WarmAnswer:
+    """The answer rewriter (proxy/rewrite.py) of a warm API request: the client gets what
+    was warmed, never the token. (Its answer is never a stream: `prepare` saw to that.)"""
+
+    def __init__(self, warmer: Warmer, ctx, upstream: str):
+        self.warmer, self.ctx, self.upstream = warmer, ctx, upstream
+
+    def whole(self, answer: dict) -> dict:
+        return self.warmer.answered(self.ctx, self.upstream, answer)
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def flush(self) -> bytes:
+        return b""
+
+
 class Warmer:
     """Counts warm requests, and sends the gateway's own (next-turn warming) when there is
     room for them."""

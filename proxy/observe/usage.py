@@ -1,12 +1,15 @@
 """What an upstream's answer says about itself: token usage, the model, an error message.
 
 Found without parsing every SSE event: a stream's usage chunk is its last data event (the
-gateway keeps the last few chunks, `ctx.tail`); a whole answer's JSON is parsed once.
+gateway keeps the last few chunks, `ctx.tail`; only the event naming `usage` is parsed); a
+whole answer's JSON is parsed once.
 """
 from __future__ import annotations
 
 import json
 import re
+
+from prefixgate.common import sse
 
 MAX_ERROR_CHARS = 300
 WHOLE_PARSE_BYTES = 64 * 1024   # larger answers (embeddings): only their usage is parsed
@@ -16,19 +19,11 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 def from_stream(tail) -> dict | None:
     """The last data event that has a `usage` key, parsed (None: no such event)."""
-    data = b"".join(tail)
-    at = data.rfind(b'"usage"')
-    if at < 0:
-        return None
-    start = data.rfind(b"data:", 0, at)
-    end = data.find(b"\n\n", at)
-    if start < 0:
-        return None
-    try:
-        event = json.loads(data[start + 5:end if end >= 0 else len(data)])
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return event if isinstance(event, dict) else None
+    for raw in reversed(sse.events_in(tail)):
+        if b'"usage"' in raw:
+            event = sse.json_of(raw)
+            return event if isinstance(event, dict) else None
+    return None
 
 
 def from_body(body: bytes) -> dict | None:

@@ -11,7 +11,7 @@ import pytest
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.token_forward import (
-    StreamConverter,
+    ChatFromCompletions,
     chat_to_completions,
     completion_to_chat,
     eligible,
@@ -75,7 +75,7 @@ async def test_streamed_answer_matches_the_chat_endpoint(server, model_dir):
         body = chat_to_completions(stream, _tokens(model_dir))
         async with client.post(server.url + "/v1/completions", json=body) as r:
             raw = await r.read()
-    conv, out, rng, i = StreamConverter(), [], random.Random(0), 0
+    conv, out, rng, i = ChatFromCompletions(), [], random.Random(0), 0
     while i < len(raw):                        # bytes split at arbitrary places
         step = rng.randint(1, 40)
         out.append(conv.feed(raw[i:i + step]))
@@ -104,7 +104,7 @@ async def test_streamed_answer_matches_the_chat_endpoint(server, model_dir):
 
 
 def test_errors_and_unknown_events_pass_unchanged():
-    conv = StreamConverter()
+    conv = ChatFromCompletions()
     err = b'data: {"error": {"message": "x", "type": "server_error", "code": null}}\n\n'
     assert conv.feed(err + b": keep-alive\n\n") == err + b": keep-alive\n\n"
     assert completion_to_chat({"error": {"message": "x"}}) == {"error": {"message": "x"}}
