@@ -67,6 +67,18 @@ def fraction(text: str) -> float:
     return v
 
 
+# the flags of a measured load, alike in `bench` and `tune` (each its own defaults and words)
+LOAD_FLAGS = (("--requests", int), ("--warmup", int), ("--max-tokens", int))
+
+
+def load_flags(p: argparse.ArgumentParser, helps: tuple[str, ...],
+               defaults: tuple = (None,) * len(LOAD_FLAGS)) -> None:
+    """LOAD_FLAGS, each with its help and default: measured requests, uncounted ones before
+    them, output tokens per request."""
+    for (flag, kind), text, default in zip(LOAD_FLAGS, helps, defaults, strict=True):
+        p.add_argument(flag, type=kind, default=default, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate bench", description="Measure TTFT, TPOT, "
                                 "throughput and goodput of an OpenAI-compatible server. "
@@ -96,12 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: back to back; seed: 1500)")
     p.add_argument("--rate", type=float_list, help="open-loop Poisson arrival rates in "
                    "requests/s (replaces --concurrency)")
-    p.add_argument("--requests", type=int, help="measured requests per cell (default 200; "
-                   "seed: per stage and round, 60)")
-    p.add_argument("--warmup", type=int, help="uncounted requests before each cell (default "
-                   "10; seed: 48)")
-    p.add_argument("--max-tokens", type=int, help="output tokens per request (default 1; "
-                   "seed: 8)")
+    load_flags(p, ("measured requests per cell (default 200; seed: per stage and round, 60)",
+                   "uncounted requests before each cell (default 10; seed: 48)",
+                   "output tokens per request (default 1; seed: 8)"))
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, SGLang) "
                    "so every request produces --max-tokens tokens")
     p.add_argument("--shared-prefix", type=fraction, default=0.8, help="fraction of each "

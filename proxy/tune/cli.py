@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from prefixgate.proxy.bench import archive as archive_mod
-from prefixgate.proxy.bench.cli import fraction, int_list
+from prefixgate.proxy.bench.cli import fraction, int_list, load_flags
 from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
 from prefixgate.proxy.bench.stats import fmt
 from prefixgate.proxy.tune import grid as grid_mod
@@ -45,9 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompt that is a system prompt shared by its requests (default 0.8)")
     p.add_argument("--concurrency", type=int, default=8, help="users, closed loop (default 8)")
     p.add_argument("--think-ms", type=float, default=0.0, help="each user's mean pause")
-    p.add_argument("--requests", type=int, default=48, help="measured requests per point")
-    p.add_argument("--warmup", type=int, default=8, help="uncounted requests per point")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    load_flags(p, ("measured requests per point", "uncounted requests per point",
+                   "output tokens per request"), defaults=(48, 8, 32))
     p.add_argument("--slo-ttft-ms", type=float, default=600.0, help="TTFT SLO (p99 and goodput)")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO, if any")
     p.add_argument("--threads", type=int, help="the bundled engine's torch threads (default: "
