@@ -12,15 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.shared import is_fp8
 from prefixgate.kernels.triton_utils import (
-    LOG2E,
     attend_tile,
-    dot_dtype,
+    dot_constants,
     dot_in_fp32,
     num_sms,
+    paged_kv_args,
     pow2,
-    scale_args,
 )
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -28,16 +26,14 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr,
-                   ml_ptr,
-                   qk_scale,
-                   stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
-                   stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_os, stride_oh,
+def _decode_kernel(q_ptr, out_ptr, part_ptr, ml_ptr, stride_qs, stride_qh, stride_os, stride_oh,
+                   # triton_utils.paged_kv_args
+                   k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, qk_scale,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,18 +134,13 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
         ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    fp32 = dot_in_fp32(q)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device),
-        out, part, ml,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        q, out, part, ml, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *paged_kv_args(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=pow2(group, 16),
         HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, IS_FP8=is_fp8(k_cache),
-        DOT_DTYPE=dot_dtype(q), PRECISION="ieee" if fp32 else "tf32", num_warps=4)
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        **dot_constants(q, k_cache), num_warps=4)
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part, ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

@@ -13,14 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixgate.kernels.shared import is_fp8
 from prefixgate.kernels.triton_utils import (
-    LOG2E,
     attend_tile,
-    dot_dtype,
+    dot_constants,
     dot_in_fp32,
+    paged_kv_args,
     pow2,
-    scale_args,
 )
 
 
@@ -38,12 +36,11 @@ def _find_sequence(tile_starts_ptr, pid, NUM_SEQS: tl.constexpr, SEARCH_STEPS: t
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_starts_ptr, ks_ptr, vs_ptr,
-                    out_ptr,
-                    qk_scale,
-                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                    stride_vb, stride_vt, stride_vh,
-                    stride_bt, stride_ot, stride_oh,
+def _prefill_kernel(q_ptr, out_ptr, qsl_ptr, tile_starts_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    # triton_utils.paged_kv_args
+                    k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, qk_scale,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     NUM_SEQS: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -108,14 +105,13 @@ def prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_
     # sum of cdiv(q_len, BLOCK_M) <= cdiv(total, BLOCK_M) + num_seqs: a bound with no host sync
     grid = (triton.cdiv(total, block_m) + num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens.contiguous(), query_start_loc, tile_starts,
-        scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device), out,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        q, out, query_start_loc, tile_starts, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1),
+        *paged_kv_args(q, k_cache, v_cache, block_tables, seq_lens.contiguous(), scale, k_scale,
+                       v_scale),
         NUM_SEQS=num_seqs, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, IS_FP8=is_fp8(k_cache), DOT_DTYPE=dot_dtype(q),
-        PRECISION="ieee" if fp32 else "tf32", num_warps=4 if fp32 else 8, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, **dot_constants(q, k_cache),
+        num_warps=4 if fp32 else 8, num_stages=2)
     return out

@@ -38,6 +38,23 @@ def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(int(n)))
 
 
+def paged_kv_args(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale) -> tuple:
+    """The arguments every paged attention kernel takes after its own, in this order: the K
+    and V caches, the block tables, the sequence lengths, the K and V scales (`scale_args`),
+    the softmax scale in the log2 domain, the caches' [block, token, head] strides and the
+    block tables' row stride (block tables and lengths contiguous)."""
+    return (k_cache, v_cache, block_tables, seq_lens,
+            scale_args(k_cache, k_scale, q.device), scale_args(v_cache, v_scale, q.device),
+            float(scale) * LOG2E, *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_tables.stride(0))
+
+
+def dot_constants(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    """The constexprs `attend_tile` needs: FP8 cache or not, the dots' dtype and precision."""
+    return {"IS_FP8": is_fp8(k_cache), "DOT_DTYPE": dot_dtype(q),
+            "PRECISION": "ieee" if dot_in_fp32(q) else "tf32"}
+
+
 @triton.jit
 def load_kv_tile(cache_ptr, bt_row_ptr, t, tmask, kv_head, d, dmask, scale_ptr,
                  stride_b, stride_t, stride_h,
