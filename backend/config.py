@@ -1,6 +1,10 @@
 """The engine's settings as plain Python: `EngineArgs` (what an engine is built from),
-`ServerArgs` (what `prefixgate backend` serves it with), and the parsers of the flags that take
-structured values: `--speculative-config`, `--kv-events-config`, the KV offloading flags.
+`ServerArgs` (what `prefixgate backend` serves it with), the parsers of the flags that take
+structured values (`--speculative-config`, `--kv-events-config`, the KV offloading flags), and
+`FLAGS`, the one table of every flag of `prefixgate backend`: its name, type, default, help,
+choices, whether a grid point may change it and whether it changes numerics. backend/cli.py
+builds its argparse from the table; the quality gate and `prefixgate tune` read a grid point's
+settings through `setting_flags` and `NUMERIC`.
 
 No torch, ZMQ or aiohttp here: this is the one engine module the gateway imports, to check its
 `bundled:` engines' settings as the engines will take them. Every bad value raises
@@ -406,13 +410,10 @@ class ServerArgs:
     tracing: dict | None = None                  # a checked common.tracing config; None: off
 
 
-# --- every flag of `prefixgate backend`: one table ---------------------------------------------
-#
-# backend/cli.py builds its argparse from FLAGS; the quality gate and `prefixgate tune` read a
-# grid point's settings through `setting_flags`, and which of them change numerics from NUMERIC.
+# --- every flag of `prefixgate backend`: one table (the module doc says who reads it) ----------
 
 SETTING, ENGINE, SERVER = "setting", "engine", "server"     # a flag's scope (Flag.scope)
-_ENGINE_DEFAULT = object()      # Flag.default not given: EngineArgs' (or ServerArgs') default
+_ARGS_DEFAULT = object()      # Flag.default not given: EngineArgs' (or ServerArgs') default
 
 
 @dataclass(frozen=True)
@@ -421,7 +422,7 @@ class Flag:
     name: str                   # an EngineArgs field (scope setting or engine), else the server's
     type: type = str            # str, int, float, or bool (a switch: given or not)
     help: str | None = None     # as argparse reads it: %% for %, %(default)s
-    default: object = _ENGINE_DEFAULT
+    default: object = _ARGS_DEFAULT
     choices: tuple | range | None = None     # the values it takes (None: any of its type)
     # False: the engine checks `choices` when it builds (argparse leaves the value alone)
     parser_checks: bool = True
@@ -441,13 +442,14 @@ class Flag:
 
     @property
     def engine(self) -> bool:
+        """An EngineArgs field (scope setting or engine)."""
         return self.scope != SERVER
 
 
 def _filled(flags: tuple[Flag, ...]) -> tuple[Flag, ...]:
     """`flags` with each default not given taken from EngineArgs or ServerArgs."""
     defaults = {**dataclasses.asdict(ServerArgs(engine=None)), **dataclasses.asdict(EngineArgs())}
-    return tuple(f if f.default is not _ENGINE_DEFAULT
+    return tuple(f if f.default is not _ARGS_DEFAULT
                  else dataclasses.replace(f, default=defaults[f.name]) for f in flags)
 
 
