@@ -105,20 +105,25 @@ def json_errors_middleware(
 
 
 async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30, proc=None, *,
-                     what: str | None = None, interval: float = 0.1) -> None:
+                     what: str | None = None, interval: float = 0.1) -> float:
     """Poll `url + path` until it answers 200; RuntimeError after `timeout` seconds, or as
-    soon as `proc` (an asyncio subprocess serving `url`) has exited. `what` names the server
-    in those errors (default: its URL)."""
+    soon as `proc` (the child serving `url`: an asyncio subprocess or a subprocess.Popen) has
+    exited. `what` names the server in those errors (default: its URL). Returns when
+    (time.monotonic()) it first answered at all: a server listens before it is ready."""
     what = what or url
     deadline = time.monotonic() + timeout
+    answered = None
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            if proc is not None and proc.returncode is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            code = None if proc is None else proc.poll() if hasattr(proc, "poll") else \
+                proc.returncode
+            if code is not None:
+                raise RuntimeError(f"{what} exited with {code}")
             try:
                 async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    answered = answered or time.monotonic()
                     if r.status == 200:
-                        return
+                        return answered
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(interval)
