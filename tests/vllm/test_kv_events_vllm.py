@@ -15,7 +15,8 @@ import random
 import aiohttp
 import pytest
 
-from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE, prepare_model
+from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE
+from prefixgate.proxy.testing.vllm_install import prepare_model
 from tests.plugins.helpers import blocks, follow_up, metrics, route, sample, until, up
 from tests.vllm.conftest import KV_BLOCKS, SERVED_NAME
 

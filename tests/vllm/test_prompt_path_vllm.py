@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from prefixgate.plugins.prefix_route.plugin import PrefixRoute
-from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE, prepare_model
+from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE
+from prefixgate.proxy.testing.vllm_install import prepare_model
 from tests.vllm.conftest import SERVED_NAME
 from tests.vllm.helpers import CHAT, QUESTION, send, upstreams, wait_for
 
