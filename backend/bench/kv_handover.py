@@ -12,31 +12,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 
 import aiohttp
 
-from prefixgate.backend.bench.serving import ENGINE_COMMAND, run_report_save
+from prefixgate.backend.bench.engine_process import engine_process
+from prefixgate.backend.bench.script import run_report_save
+from prefixgate.backend.bench.token_prompts import Prompts
 from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.common import server_timing
-from prefixgate.common.runtime import free_port, wait_ready
+from prefixgate.common.processes import ServerProcess
 
 LEG1 = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-async def _engine(role: str, args) -> tuple[asyncio.subprocess.Process, str]:
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        *ENGINE_COMMAND, "--model", args.model, "--role", role,
-        "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks),
+async def _engine(role: str, args) -> ServerProcess:
+    engine = engine_process(
+        args.model, "--role", role, "--num-kv-blocks", str(args.num_kv_blocks),
         "--kv-cache-dtype", args.kv_cache_dtype,
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning")
-    url = f"http://127.0.0.1:{port}"
-    await wait_ready(url, "/health", 180, proc)
-    return proc, url
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning",
+        inherit_output=True)
+    try:
+        await engine.start().ready(180)
+    except BaseException:
+        await engine.close()
+        raise
+    return engine
 
 
 async def _post(s, url: str, body: dict) -> tuple[dict, dict]:
@@ -56,22 +59,21 @@ async def _received_bytes(s, url: str) -> float:
 
 
 async def run(args) -> dict:
-    rng = random.Random(args.seed)
-    vocab = vocab_size(args.model)
-    prefill, p_url = await _engine("prefill", args)
-    decode, d_url = await _engine("decode", args)
+    prompt = Prompts(vocab_size(args.model), args.seed)
+    prefill = await _engine("prefill", args)
+    engines = [prefill]
     samples = {"recompute_ms": [], "pull_ms": [], "leg2_ttft_ms": [], "leg1_prefill_ms": [],
                "mb_per_s": []}
     nbytes = 0.0
     try:
+        engines.append(decode := await _engine("decode", args))
+        p_url, d_url = prefill.url, decode.url
         async with aiohttp.ClientSession() as s:
             for i in range(args.repeats + 1):           # the first round warms both engines up
-                def prompt():
-                    return [rng.randrange(16, vocab) for _ in range(args.prompt_tokens)]
                 base = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
-                _, t = await _post(s, d_url, {**base, "prompt": prompt()})
+                _, t = await _post(s, d_url, {**base, "prompt": prompt(args.prompt_tokens)})
                 recompute = t["prefill"]
-                p = prompt()
+                p = prompt(args.prompt_tokens)
                 leg1, t1 = await _post(s, p_url, {**base, "prompt": p, "kv_transfer_params": LEG1})
                 before = await _received_bytes(s, d_url)
                 leg2 = {**base, "prompt": p, "kv_transfer_params": leg1["kv_transfer_params"]}
@@ -86,9 +88,8 @@ async def run(args) -> dict:
                 samples["mb_per_s"].append(nbytes / 1e6 / (t2["kv_pull"] / 1e3))
                 await asyncio.sleep(0.05)
     finally:
-        for proc in (prefill, decode):
-            proc.terminate()
-            await proc.wait()
+        for engine in engines:
+            await engine.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {"config": vars(args), "kv_bytes": nbytes, "median": med, "samples": samples,
             "recompute_over_leg2": med["recompute_ms"] / med["leg2_ttft_ms"]}

@@ -15,18 +15,18 @@ where the prompt tokens came from (device cache, tier, computed), and the tier's
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 
 import aiohttp
-import numpy
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.backend.bench.serving import THREADS_HELP, run_report_save
-from prefixgate.backend.bench.sse import completion_chunks
+from prefixgate.backend.bench.completions import stream_completion
+from prefixgate.backend.bench.script import THREADS_HELP, run_report_save
+from prefixgate.backend.bench.token_prompts import Prompts
 from prefixgate.backend.bench.vocab import MODEL_HELP, vocab_size
 from prefixgate.backend.cli import parse_args as engine_server_args
 from prefixgate.backend.server import start_server
+from prefixgate.common.percentiles import percentile
 
 TARGET_P50 = 3.0
 TIER_COUNTERS = ("kv_offload_stored_blocks", "kv_offload_loaded_blocks", "kv_offload_hit_tokens",
@@ -50,19 +50,6 @@ def engine_flags(args, tier: bool) -> list[str]:
     return flags
 
 
-async def first_token(session, url: str, prompt: list[int]) -> tuple[float, int]:
-    """Seconds to the first streamed token, and the usage's cached_tokens."""
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    first, cached = None, 0
-    async for seconds, chunk in completion_chunks(session, url, body):
-        if first is None and chunk.get("choices"):
-            first = seconds
-        details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens", cached) or cached
-    return first, cached
-
-
 async def tier_counters(session, url: str) -> dict[str, float]:
     """The tier's counters from the engine's /metrics (0 where it exposes none: tier off)."""
     async with session.get(url + "/metrics") as r:
@@ -82,9 +69,7 @@ def counter_totals(exposition: str) -> dict[str, float]:
 
 
 async def run(args) -> dict:
-    vocab = vocab_size(args.model)
-    rng = random.Random(args.seed)
-    fresh = lambda n: [rng.randrange(16, vocab) for _ in range(n)]   # noqa: E731
+    fresh = Prompts(vocab_size(args.model), args.seed)
     prefixes = [fresh(args.prefix_tokens) for _ in range(args.tenants)]
     servers = {arm: await start_server(engine_server_args(engine_flags(args, tier)),
                                        host="127.0.0.1", port=0)
@@ -95,17 +80,17 @@ async def run(args) -> dict:
             for tenant in range(args.tenants):              # first visits: cold everywhere
                 prompt = prefixes[tenant] + fresh(args.suffix_tokens)
                 for srv in servers.values():
-                    await first_token(s, srv.url, prompt)
+                    await stream_completion(s, srv.url, prompt)
             for r in range(args.rounds):
                 order = list(range(args.tenants))
-                rng.shuffle(order)
+                fresh.rng.shuffle(order)
                 for i, tenant in enumerate(order):
                     prompt = prefixes[tenant] + fresh(args.suffix_tokens)
                     arms = ["off", "on"] if (r + i) % 2 == 0 else ["on", "off"]
                     for arm in arms:
-                        ttft, cached = await first_token(s, servers[arm].url, prompt)
-                        samples[arm].append({"tenant": tenant, "ttft_s": ttft,
-                                             "cached_tokens": cached})
+                        seen = await stream_completion(s, servers[arm].url, prompt)
+                        samples[arm].append({"tenant": tenant, "ttft_s": seen.ttft_s,
+                                             "cached_tokens": seen.cached})
             counters = {arm: await tier_counters(s, srv.url) for arm, srv in servers.items()}
     finally:
         for srv in servers.values():
@@ -119,7 +104,7 @@ def summarize(args, samples: dict, counters: dict) -> dict:
     for arm, xs in samples.items():
         ttft = [x["ttft_s"] for x in xs]
         cached = sum(x["cached_tokens"] for x in xs)
-        p50, p95 = numpy.percentile(ttft, [50, 95])    # linear between closest ranks
+        p50, p95 = percentile(ttft, 50), percentile(ttft, 95)
         arms[arm] = {"ttft_p50_ms": p50 * 1e3, "ttft_p95_ms": p95 * 1e3,
                      "revisits": len(xs), "cached_fraction": cached / (prompt_tokens * len(xs)),
                      "counters": counters[arm]}

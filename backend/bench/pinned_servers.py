@@ -13,14 +13,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixgate.common.runtime import free_port
+from prefixgate.backend.bench.engine_process import engine_process
 from prefixgate.proxy.testing.real_vllm import vllm_servers
 
 SERVED_NAME = "smollm2"
@@ -47,47 +43,20 @@ class Running:
     pid: int                        # the root of its process tree
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the engine at {url} exited with {proc.returncode}")
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.5)
-    raise RuntimeError(f"the engine at {url} was not ready after {timeout:.0f} s")
-
-
 @contextlib.contextmanager
 def ours(s: Settings):
     """The bundled engine in a process of its own, pinned to `s.core` from its start."""
-    port = free_port()
-    cmd = ["taskset", "-c", str(s.core), sys.executable, "-m", "prefixgate.backend",
-           "--model", s.model, "--dtype", s.dtype, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--kv-cache-memory", f"{s.kvcache_gib}GiB",
-           "--max-model-len", str(s.max_model_len),
-           "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    log = open(s.log_dir / "ours.log", "wb") if s.log_dir else subprocess.DEVNULL
+    engine = engine_process(
+        s.model, "--dtype", s.dtype, "--served-model-name", SERVED_NAME,
+        "--kv-cache-memory", f"{s.kvcache_gib}GiB", "--max-model-len", str(s.max_model_len),
+        "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--log-level", "warning",
+        cores=str(s.core), env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        log=s.log_dir / "ours.log" if s.log_dir else None)
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        engine.start().wait_ready(READY_TIMEOUT_S)
+        yield Running("ours", engine.url, engine.pid)
     finally:
-        if s.log_dir:
-            log.close()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
-        yield Running("ours", url, proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        engine.stop()
 
 
 @contextlib.contextmanager
@@ -99,8 +68,8 @@ def vllm(s: Settings):
     with vllm_servers(1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
                       kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
                       cores=[str(s.core)], timeout=READY_TIMEOUT_S) as (server,):
-        pin_tree(server.proc.pid, s.core)
-        yield Running("vllm", server.url, server.proc.pid)
+        pin_tree(server.pid, s.core)
+        yield Running("vllm", server.url, server.pid)
 
 
 @contextlib.contextmanager

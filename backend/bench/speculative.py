@@ -56,6 +56,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from prefixgate.backend.bench.script import run_report_save
 from prefixgate.backend.bench.vocab import MODEL_HELP
 
 DEFAULT_SPEC = {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -537,17 +538,7 @@ def parse_args(argv=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    if a.threads:
-        import torch
-        torch.set_num_threads(a.threads)
-    result = run(a)
-    report(result)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {a.out}")
-    return 0
+    return run_report_save(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

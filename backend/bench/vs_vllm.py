@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -34,11 +33,14 @@ from pathlib import Path
 import aiohttp
 
 from prefixgate.backend.bench import pinned_servers
-from prefixgate.backend.bench.serving import Prompts, p95
-from prefixgate.backend.bench.sse import completion_chunks
+from prefixgate.backend.bench.completions import stream_completion
+from prefixgate.backend.bench.measures import decode_rate, shorts_behind_long
+from prefixgate.backend.bench.script import int_list, run_report_save, save_json
+from prefixgate.backend.bench.token_prompts import Prompts
 from prefixgate.backend.bench.vocab import vocab_size
-from prefixgate.proxy.testing.real_vllm import VLLM_VERSION
+from prefixgate.proxy.testing.vllm_install import VLLM_VERSION
 
+SERVED_NAME = pinned_servers.SERVED_NAME
 ENGINES = {"ours": pinned_servers.ours, "vllm": pinned_servers.vllm}
 PARTS = ("agree", "ttft", "decode", "chunked")
 TARGETS = {"ttft_cached": 1.0, "decode": 0.8}
@@ -60,26 +62,14 @@ class Sizes:
         self.shorts = 4 if quick else 16
 
 
-async def request(session, url: str, prompt: list[int], max_tokens: int = 1) -> dict:
-    """One streamed greedy completion of token ids: seconds to its first token and to its
-    last, the tokens it generated, and the prompt tokens the engine served from its cache."""
-    body = {"model": pinned_servers.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    seen = {"ttft_s": None, "last_s": None, "tokens": 0, "cached": 0}
-    async for seconds, chunk in completion_chunks(session, url, body):
-        if chunk.get("choices"):
-            seen["last_s"] = seconds
-            seen["ttft_s"] = seen["ttft_s"] or seconds
-        if usage := chunk.get("usage"):
-            seen["tokens"] = usage["completion_tokens"]
-            details = usage.get("prompt_tokens_details") or {}
-            seen["cached"] = details.get("cached_tokens") or 0
-    return seen
+async def request(session, url: str, prompt: list[int], max_tokens: int = 1):
+    """One streamed greedy completion of token ids (bench/completions.py) by the name both
+    engines serve the model under."""
+    return await stream_completion(session, url, prompt, max_tokens, SERVED_NAME)
 
 
 async def chat_token_ids(session, url: str, question: str, max_tokens: int) -> dict:
-    body = {"model": pinned_servers.SERVED_NAME, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": question}], "return_token_ids": True}
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
@@ -94,45 +84,15 @@ async def ttft_tier(session, url: str, prompts: Prompts, tokens: int, repeats: i
     prefix_tokens = max(BLOCK, round(tokens * SHARE) // BLOCK * BLOCK)
     cold, warm, cached = [], [], []
     for _ in range(repeats):
-        cold.append((await request(session, url, prompts(tokens)))["ttft_s"])
+        cold.append((await request(session, url, prompts(tokens))).ttft_s)
         prefix = prompts(prefix_tokens)
         await request(session, url, prefix)                          # served before
         hit = await request(session, url, prefix + prompts(tokens - prefix_tokens))
-        warm.append(hit["ttft_s"])
-        cached.append(hit["cached"])
+        warm.append(hit.ttft_s)
+        cached.append(hit.cached)
     return {"prefix_tokens": prefix_tokens, "cold_s": statistics.median(cold),
             "cached_prefix_s": statistics.median(warm), "cached_tokens_reported": cached,
             "samples_s": {"cold": cold, "cached_prefix": warm}}
-
-
-async def decode_rate(session, url: str, prompts: Prompts, batch: int, repeats: int,
-                      new_tokens: int) -> dict:
-    """The batch's requests start together (short prompts: one step prefills them all)."""
-    tpots = []
-    for _ in range(repeats):
-        runs = await asyncio.gather(*(request(session, url, prompts(32), new_tokens)
-                                      for _ in range(batch)))
-        if any(run["tokens"] != new_tokens for run in runs):
-            raise RuntimeError(f"{url}: asked for {new_tokens} tokens, got "
-                               f"{[run['tokens'] for run in runs]}")
-        tpots.append(statistics.median((run["last_s"] - run["ttft_s"]) / (new_tokens - 1)
-                                       for run in runs))
-    tpot = statistics.median(tpots)
-    return {"tpot_p50_s": tpot, "tok_per_s": batch / tpot, "samples_tpot_s": tpots}
-
-
-async def shorts_behind_long(session, url: str, prompts: Prompts, repeats: int,
-                             sizes: Sizes) -> dict:
-    p95s, longs = [], []
-    for _ in range(repeats):
-        long = asyncio.create_task(request(session, url, prompts(sizes.long_tokens)))
-        await asyncio.sleep(0.1)                     # the long prompt's prefill has begun
-        shorts = await asyncio.gather(*(request(session, url, prompts(24), max_tokens=8)
-                                        for _ in range(sizes.shorts)))
-        p95s.append(p95([short["ttft_s"] for short in shorts]))
-        longs.append((await long)["ttft_s"])
-    return {"short_p95_ttft_s": statistics.median(p95s), "long_ttft_s": statistics.median(longs),
-            "samples_s": {"short_p95": p95s, "long": longs}}
 
 
 async def measure(server: pinned_servers.Running, args, sizes: Sizes) -> dict:
@@ -150,11 +110,13 @@ async def measure(server: pinned_servers.Running, args, sizes: Sizes) -> dict:
                            for t in args.tiers}
         if "decode" in args.parts:
             out["decode"] = {str(b): await decode_rate(s, server.url, prompts, b, args.repeats,
-                                                       sizes.new_tokens)
+                                                       sizes.new_tokens, SERVED_NAME)
                              for b in args.batches}
         if "chunked" in args.parts:
-            out["chunked"] = await shorts_behind_long(s, server.url, prompts, args.repeats,
-                                                      sizes)
+            out["chunked"] = await shorts_behind_long(
+                s, server.url, prompts, args.repeats, long_tokens=sizes.long_tokens,
+                shorts=sizes.shorts, head_start_s=0.1,      # the long prompt's prefill has begun
+                model=SERVED_NAME)
     out["memory"] = pinned_servers.tree_memory(server.pid)
     return out
 
@@ -248,7 +210,7 @@ def run(args) -> dict:
         figures["load_average"] = [load, os.getloadavg()[0]]
         print(f"{name}: ready in {ready:.0f} s, measured in {time.monotonic() - t0 - ready:.0f} s "
               f"(load average {load:.1f} -> {figures['load_average'][1]:.1f})", flush=True)
-        save(result, args.out)                     # what is measured survives a later failure
+        save_json(result, args.out)                # what is measured survives a later failure
     engines = result["engines"]
     if "ours" in engines and "vllm" in engines:
         if "agree" in args.parts:
@@ -256,15 +218,6 @@ def run(args) -> dict:
                                             sizes.chats)
         result["rows"] = table_rows(engines)
     return result
-
-
-def save(result: dict, out: str | None) -> None:
-    if out:
-        Path(out).write_text(json.dumps(result, indent=2))
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def parse_args(argv: list[str] | None = None):
@@ -279,9 +232,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, one repeat: to see that it works, not to measure")
-    p.add_argument("--tiers", type=_int_list, default=None,
+    p.add_argument("--tiers", type=int_list, default=None,
                    help="ttft: prompt lengths (default 512,2400,8000; --quick 256)")
-    p.add_argument("--batches", type=_int_list, default=None,
+    p.add_argument("--batches", type=int_list, default=None,
                    help="decode: concurrent generations (default 1,8,32; --quick 1,4)")
     p.add_argument("--core", type=int, default=1, help="the CPU both engines run on")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -309,13 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # a SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C, so the servers are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    t0 = time.monotonic()
-    result = run(args)
-    report(result)
-    save(result, args.out)
-    if args.out:
-        print(f"saved {args.out} ({time.monotonic() - t0:.0f} s)")
-    return 0
+    return run_report_save(run, report, args)
 
 
 if __name__ == "__main__":
