@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from prefixgate.backend.config import served_name
+from prefixgate.common.percentiles import percentile
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
@@ -36,7 +37,7 @@ from prefixgate.proxy.bench import target
 from prefixgate.proxy.bench.client import Sample, stream_once
 from prefixgate.proxy.bench.prompts import Lengths, words
 from prefixgate.proxy.bench.seed import summed
-from prefixgate.proxy.bench.stats import fmt, percentile
+from prefixgate.proxy.bench.stats import fmt
 from prefixgate.proxy.config import gateway as config_mod
 from prefixgate.proxy.testing.balancer import TCPBalancer
 
@@ -132,17 +133,10 @@ class Turn:
 
 
 def parse_workload(args) -> AgentWorkload:
-    w = target.given(AgentWorkload(), seed=args.seed, rounds=args.rounds,
-                     think_ms=args.think_ms, answer_tokens=args.max_tokens)
-    if args.concurrency:
-        w.sessions = args.concurrency[0]
-    if args.requests:
-        w.turns = args.requests
-    if args.tiers:
-        w.tool_tokens = args.tiers[0]
-    if args.policy:
-        w.policy = args.policy
-    return w
+    return target.given(AgentWorkload(), seed=args.seed, rounds=args.rounds,
+                        think_ms=args.think_ms, answer_tokens=args.max_tokens,
+                        sessions=target.first(args.concurrency), turns=args.requests or None,
+                        tool_tokens=target.first(args.tiers), policy=args.policy or None)
 
 
 def run_agent(args) -> int:

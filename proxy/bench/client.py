@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 
 from prefixgate.common import server_timing as st
+from prefixgate.common.sse import DONE, EventSplitter, data_of
 
 
 @dataclass
@@ -81,13 +82,11 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, head
             if resp.status != 200:
                 sample.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return sample
-            buf = b""
+            splitter = EventSplitter()      # an unterminated last event is dropped, as spec'd
             async for chunk in resp.content.iter_any():
                 now = time.monotonic()
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    last = _on_event(event, now, t0, last, sample)
+                for raw in splitter.feed(chunk):
+                    last = _on_event(data_of(raw), now, t0, last, sample)
             sample.latency = time.monotonic() - t0
             sample.output_tokens = sample.output_tokens or sample.content_events
             if sample.ttft is None and sample.error is None:
@@ -116,16 +115,17 @@ def route_prediction(route: str | None) -> float | None:
         return None
 
 
-def _on_event(event: bytes, now: float, t0: float, last: float | None, s: Sample):
-    data = event.strip()
-    if not data.startswith(b"data:"):
+def _on_event(data: bytes | None, now: float, t0: float, last: float | None, s: Sample):
+    """One event's data (common/sse.py; None: it has none) into `s`; returns the time of the
+    last content event so far."""
+    if data is None or data.strip() == DONE:
         return last
-    data = data[5:].strip()
-    if data == b"[DONE]":
-        return last
+    data = data.strip()
     try:
         obj = json.loads(data)
     except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
         s.error = f"bad SSE event: {data[:80]!r}"
         return last
     if "error" in obj:

@@ -52,17 +52,10 @@ class MixedWorkload:
 
 
 def parse_workload(args) -> MixedWorkload:
-    w = target.given(MixedWorkload(), long_requests=args.requests, seed=args.seed,
-                     rounds=args.rounds)
-    if args.concurrency:
-        w.decoders = args.concurrency[0]
-    if args.rate:
-        w.rate = args.rate[0]
-    if args.tiers:
-        w.long_prompt_tokens = args.tiers[0]
-    if args.max_tokens:
-        w.decoder_tokens = args.max_tokens
-    return w
+    return target.given(MixedWorkload(), long_requests=args.requests, seed=args.seed,
+                        rounds=args.rounds, decoders=target.first(args.concurrency),
+                        rate=target.first(args.rate), long_prompt_tokens=target.first(args.tiers),
+                        decoder_tokens=args.max_tokens or None)
 
 
 def run_mixed(args) -> int:

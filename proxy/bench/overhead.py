@@ -26,7 +26,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
+from prefixgate.common.percentiles import percentile
+from prefixgate.common.processes import ServerProcess
 from prefixgate.common.runtime import free_port, install_uvloop, wait_ready
 
 NGINX_CONF = """
@@ -73,8 +74,9 @@ LIMIT = "{requests_per_minute: 100000000, tokens_per_minute: 100000000000}"
 BASELINE = {"gateway+limit": "gateway+key", "gateway+redis": "gateway+key"}   # else: gateway
 
 
-def spawn(cmd: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+def spawn(cmd: list[str]) -> ServerProcess:
+    """A server of the run (the launcher: common/processes.py), its output discarded."""
+    return ServerProcess(cmd).start()
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
@@ -105,9 +107,7 @@ async def run_cell(url: str, concurrency: int, requests: int, warmup: int) -> di
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    samples.sort()
-    return {"p50_ms": 1000 * samples[len(samples) // 2],
-            "p99_ms": 1000 * samples[min(len(samples) - 1, int(len(samples) * 0.99))],
+    return {"p50_ms": 1000 * percentile(samples, 50), "p99_ms": 1000 * percentile(samples, 99),
             "rps": len(samples) / wall}
 
 
@@ -212,9 +212,7 @@ async def measure(args) -> dict:
                               file=sys.stderr, flush=True)
         finally:
             for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+                p.stop(10)
     return {c: {t: {k: statistics.median(x[k] for x in cells) for k in cells[0]}
                 for t, cells in per.items()} for c, per in rounds.items()}
 

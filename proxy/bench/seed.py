@@ -40,6 +40,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from prefixgate.backend.config import served_name
+from prefixgate.common.percentiles import percentile
 from prefixgate.common.runtime import start_app
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.bench import archive as archive_mod
@@ -48,7 +49,6 @@ from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, words
 from prefixgate.proxy.bench.stats import (
     WARM_REQUESTS,
     fmt,
-    percentile,
     prediction_errors,
     reduction,
     summarize,
@@ -200,11 +200,9 @@ def parse_workload(args, w: Workload | None = None) -> Workload:
         w.requests, w.rounds = 30, 1
     w = target.given(w, requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
                      seed=args.seed, rounds=args.rounds, policy=args.policy,
-                     think_ms=args.think_ms, slow_engine=args.slow_engine or None)
-    if args.concurrency:
-        w.concurrency = args.concurrency[0]
-    if args.tiers:
-        w.prompt_tokens = args.tiers[0]
+                     think_ms=args.think_ms, slow_engine=args.slow_engine or None,
+                     concurrency=target.first(args.concurrency),
+                     prompt_tokens=target.first(args.tiers))
     return w
 
 

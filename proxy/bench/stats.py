@@ -1,17 +1,7 @@
 """Summaries and tables for `prefixgate bench`: percentiles per cell, and A/B ratio tables."""
 from __future__ import annotations
 
-import math
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+from prefixgate.common.percentiles import percentile
 
 
 def _ms(v: float | None) -> float | None:

@@ -151,6 +151,11 @@ def given(workload, **flags):
     return dataclasses.replace(workload, **{k: v for k, v in flags.items() if v is not None})
 
 
+def first(values: list | None):
+    """The first value of a flag that takes a list (`--concurrency 8,16`: 8); None: not given."""
+    return values[0] if values else None
+
+
 def scenario_model(args) -> str:
     """The model a built-in scenario's engines run: `--model` (a built-in name, a .gguf file or
     a model directory), else the demo, whose figures the documented ones are."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixgate.proxy.doctor import scrape as pm
-from prefixgate.proxy.doctor.trace import Trace
+from prefixgate.proxy.doctor.trace import StreamReads
 
 MIN_EVENTS = 4              # content events needed to judge the arrival pattern
 BURST_READS = 2             # ... all of them in this few reads means someone buffered
@@ -50,7 +50,7 @@ def ms(seconds: float | None) -> str:
 
 
 # --- (a) transport -------------------------------------------------------------------------
-def streaming(tr: Trace) -> Finding:
+def streaming(tr: StreamReads) -> Finding:
     title = "streaming"
     if tr.error:
         return Finding("a", title, "FAIL", f"the streamed request failed: {tr.error}",
@@ -103,36 +103,41 @@ def client_vs_server(client_ttft: float | None, server_ttft: float | None,
 
 # The TTFT breakdown, from the Server-Timing header (prefixgate.common.server_timing): the
 # gateway's entries, the engine's, and what neither accounts for. Per segment: its label in the
-# detail, what the verdict calls it, the status when it dominates, and the fix.
-FIX_IN_BETWEEN = ("time between the client and the server: a buffering proxy, the network, or "
-                  "a slow HTTP layer")
+# detail, what the verdict calls it and the status when it dominates (SEGMENTS), and the fix
+# (FIXES).
 GATEWAY_ENTRIES = ("gw", "gw-queue", "connect", "upstream")
 ENGINE_ENTRIES = ("tokenize", "queue", "prefill", "decode")
 SEGMENTS = {
-    "gateway": ("gateway", "the gateway's own work", "WARN",
-                "the gateway's own work dominates: check tokenizer-based plugins (prerender) "
-                "and the host's CPU"),
-    "gateway_queue": ("gateway queue", "waiting for admission in the gateway", "WARN",
-                      "requests wait for admission: raise max_inflight if the engines have "
-                      "headroom, else add replicas"),
-    "connect": ("connect", "connecting to the upstream", "WARN",
-                "connections are opened per request: check keep-alive / pool size "
-                "(max_inflight)"),
-    "engine_tokenize": ("engine tokenize", "engine tokenization", "WARN",
-                        "long prompts tokenized per request: pre-render/prefix-stable prompts, "
-                        "or forward tokens"),
-    "engine_queue": ("engine queue", "engine queueing", "WARN",
-                     "add replicas or cap concurrency (the engine's max_num_seqs, or the "
-                     "gateway's admission/max_inflight)"),
-    "prefill": ("prefill", "prefill", "INFO",
-                "prefill dominates, as it should for a cold long prompt: see (b) prefix cache"),
-    "first_decode": ("first decode", "the first decode (token sampled to token sent)", "WARN",
-                     "the engine's event loop is slow to send the first token: too many "
-                     "streams per process?"),
-    "upstream_other": ("upstream other", "upstream time outside the engine", "WARN",
-                       FIX_IN_BETWEEN),
-    "transfer": ("transfer/unaccounted", "transfer/unaccounted time", "WARN", FIX_IN_BETWEEN),
+    "gateway": ("gateway", "the gateway's own work", "WARN"),
+    "gateway_queue": ("gateway queue", "waiting for admission in the gateway", "WARN"),
+    "connect": ("connect", "connecting to the upstream", "WARN"),
+    "engine_tokenize": ("engine tokenize", "engine tokenization", "WARN"),
+    "engine_queue": ("engine queue", "engine queueing", "WARN"),
+    "prefill": ("prefill", "prefill", "INFO"),
+    "first_decode": ("first decode", "the first decode (token sampled to token sent)", "WARN"),
+    "upstream_other": ("upstream other", "upstream time outside the engine", "WARN"),
+    "transfer": ("transfer/unaccounted", "transfer/unaccounted time", "WARN"),
 }
+FIX_IN_BETWEEN = ("time between the client and the server: a buffering proxy, the network, or "
+                  "a slow HTTP layer")
+FIXES = {
+    "gateway": "the gateway's own work dominates: check tokenizer-based plugins (prerender) "
+               "and the host's CPU",
+    "gateway_queue": "requests wait for admission: raise max_inflight if the engines have "
+                     "headroom, else add replicas",
+    "connect": "connections are opened per request: check keep-alive / pool size "
+               "(max_inflight)",
+    "engine_tokenize": "long prompts tokenized per request: pre-render/prefix-stable prompts, "
+                       "or forward tokens",
+    "engine_queue": "add replicas or cap concurrency (the engine's max_num_seqs, or the "
+                    "gateway's admission/max_inflight)",
+    "prefill": "prefill dominates, as it should for a cold long prompt: see (b) prefix cache",
+    "first_decode": "the engine's event loop is slow to send the first token: too many "
+                    "streams per process?",
+    "upstream_other": FIX_IN_BETWEEN,
+    "transfer": FIX_IN_BETWEEN,
+}
+
 _ENTRY_SEGMENT = {"gw": "gateway", "gw-queue": "gateway_queue", "connect": "connect",
                   "tokenize": "engine_tokenize", "queue": "engine_queue", "prefill": "prefill",
                   "decode": "first_decode"}
@@ -187,7 +192,8 @@ def ttft_breakdown(client_ttft: float | None, timing: dict[str, float] | None) -
         why = ("no segment dominates" if share < DOMINANT_SHARE
                else "too short to matter")
         return Finding("a", title, "PASS", f"{why} ({listing})", data=data)
-    _, noun, status, fix = SEGMENTS[dominant]
+    _, noun, status = SEGMENTS[dominant]
+    fix = FIXES[dominant]
     detail = f"{share:.0%} of TTFT is {noun} ({listing})"
     if status == "INFO":
         detail += f"; {fix}"

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from prefixgate.common.sse import DONE, EventSplitter, data_of
 from prefixgate.proxy.bench.client import error_message, has_content, header_timing
 
 ACCEPT_ENCODING = "gzip, deflate, br"     # what httpx (the OpenAI SDK) and browsers send
 
 
 @dataclass
-class Trace:
+class StreamReads:
+    """What one streamed response was made of, read by read (module doc)."""
+
     status: int | None = None
     headers: dict = field(default_factory=dict)
     error: str | None = None
@@ -56,8 +59,8 @@ class _Decoder:
 
 
 async def trace_stream(session: aiohttp.ClientSession, url: str, body: dict,
-                       headers: dict) -> Trace:
-    tr = Trace()
+                       headers: dict) -> StreamReads:
+    tr = StreamReads()
     t0 = time.monotonic()
     try:
         async with session.post(url, json={**body, "stream": True}, headers={
@@ -68,15 +71,13 @@ async def trace_stream(session: aiohttp.ClientSession, url: str, body: dict,
             if resp.status != 200:
                 tr.error = f"HTTP {resp.status}: {error_message(await resp.read())}"
                 return tr
-            decoder, buf = _Decoder(tr.encoding), b""
+            decoder, splitter = _Decoder(tr.encoding), EventSplitter()
             async for chunk in resp.content.iter_any():
                 now = time.monotonic() - t0
                 n = 0
                 if decoder.ok:
-                    buf += decoder.feed(chunk).replace(b"\r\n", b"\n")
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        n += _is_content(event, tr)
+                    n = sum(_is_content(data_of(raw), tr)
+                            for raw in splitter.feed(decoder.feed(chunk)))
                 if n and tr.ttft is None:
                     tr.ttft = now
                 tr.reads.append((now, len(chunk), n))
@@ -86,15 +87,15 @@ async def trace_stream(session: aiohttp.ClientSession, url: str, body: dict,
     return tr
 
 
-def _is_content(event: bytes, tr: Trace) -> int:
-    data = event.strip()
-    if not data.startswith(b"data:") or data[5:].strip() == b"[DONE]":
+def _is_content(data: bytes | None, tr: StreamReads) -> int:
+    """1 for an event (its data, common/sse.py; None: none) that carries content, else 0."""
+    if data is None or data.strip() == DONE:
         return 0
     try:
-        obj = json.loads(data[5:])
+        obj = json.loads(data)
     except ValueError:
         return 0
     if isinstance(obj, dict) and "error" in obj:
-        tr.error = f"error event: {error_message(data[5:])}"
+        tr.error = f"error event: {error_message(data)}"
         return 0
     return int(isinstance(obj, dict) and has_content(obj))

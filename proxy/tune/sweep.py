@@ -23,12 +23,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from prefixgate.common.runtime import free_port, wait_ready
+from prefixgate.common.percentiles import percentile
+from prefixgate.common.processes import ServerProcess
+from prefixgate.common.runtime import free_port
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench import target
 from prefixgate.proxy.bench.client import Sample
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec
-from prefixgate.proxy.bench.stats import percentile, summarize
+from prefixgate.proxy.bench.stats import summarize
 from prefixgate.proxy.doctor import scrape as pm
 from prefixgate.proxy.tune.grid import Point
 
@@ -97,29 +99,22 @@ def read_prompts(path: str) -> list[dict]:
 
 class CommandEngine:
     """Any engine from a command template (`--engine-cmd`): `{port}`, `{flags}` and `{model}`
-    filled in, ready when its /health answers 200."""
+    filled in, ready when its /health answers 200 (the launcher: common/processes.py)."""
 
     def __init__(self, template: str, model: str, flags: list[str], timeout_s: float = 600):
-        self.port = free_port()
-        self.urls = [f"http://127.0.0.1:{self.port}"]
-        self.argv = shlex.split(template.format(
-            port=self.port, model=model, flags=" ".join(shlex.quote(f) for f in flags)))
-        self.timeout_s, self.proc = timeout_s, None
+        port = free_port()
+        self.urls = [f"http://127.0.0.1:{port}"]
+        argv = shlex.split(template.format(
+            port=port, model=model, flags=" ".join(shlex.quote(f) for f in flags)))
+        self.process = ServerProcess(argv, self.urls[0], what=f"engine `{shlex.join(argv)}`",
+                                     inherit_output=True)
+        self.timeout_s = timeout_s
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(*self.argv)
-        await wait_ready(self.urls[0], "/health", self.timeout_s, self.proc,
-                         what=f"engine `{shlex.join(self.argv)}`", interval=0.25)
+        await self.process.start().ready(self.timeout_s, interval=0.25)
 
     async def stop(self) -> None:
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        self.proc.terminate()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 15)
-        except asyncio.TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
+        await self.process.close(15)
 
 
 async def start_engine(point: Point, w: Workload, model: str, engine_cmd: str | None):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from prefixgate.backend.demo import train_bpe_tokenizer, write_tokenizer_files
+from prefixgate.common.percentiles import percentile
 from prefixgate.common.schema import check
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.plugins.normalize.plugin import SPEC as NORMALIZE_SPEC
@@ -18,7 +19,7 @@ from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import seed as bench_seed
 from prefixgate.proxy.bench.archive import SCHEMA, save_outputs
 from prefixgate.proxy.bench.prompts import WORDS, Lengths, PromptSet, PromptSpec, load_tokenizer
-from prefixgate.proxy.bench.stats import WARM_REQUESTS, percentile
+from prefixgate.proxy.bench.stats import WARM_REQUESTS
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.tools.helpers import run_cli
 
