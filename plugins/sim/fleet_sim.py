@@ -45,11 +45,12 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from prefixgate.backend.block_manager import BlockManager
+from prefixgate.common.percentiles import percentile
 from prefixgate.plugins.prefix_route.kv_index import decode_batch
 from prefixgate.plugins.prefix_route.plugin import PrefixRoute
 from prefixgate.plugins.prefix_route.predicted_ttft import STATE_KEY as PREDICTED
 from prefixgate.plugins.sim.engine_events import encode, record
-from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_trace import SyntheticTrace, TraceConfig
 from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
@@ -212,7 +213,7 @@ class FleetSim:
 
     def run(self) -> dict:
         started = time.perf_counter()
-        trace = iter(Trace(self.trace_cfg))
+        trace = iter(SyntheticTrace(self.trace_cfg))
         nxt = next(trace, None)
         now = 0.0
         while nxt is not None or self.events:
@@ -349,26 +350,24 @@ class FleetSim:
 
     # --- results ------------------------------------------------------------------------------
     def _report(self, wall_s: float, sim_s: float) -> dict:
-        ttft = np.array(self.ttft)
         served = np.array([b.served for b in self.backends.values()], dtype=float)
         busy = np.array([b.busy_s for b in self.backends.values()])
         hit = self.hit_tokens / self.prompt_tokens
         oracle = self.oracle_hit_tokens / self.prompt_tokens
-        pick_us = np.array(self.pick_s) * 1e6
+        pick_us = [s * 1e6 for s in self.pick_s]
         return {
-            "policy": self.policy, "backends": len(self.backends), "requests": len(ttft),
+            "policy": self.policy, "backends": len(self.backends), "requests": len(self.ttft),
             "hit_rate": hit, "oracle_hit_rate": oracle, "hit_vs_oracle": hit / oracle,
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p95_s": float(np.percentile(ttft, 95)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p95_s": percentile(self.ttft, 95),
+            "ttft_p99_s": percentile(self.ttft, 99),
             "load_max_mean_requests": float(served.max() / served.mean()),
             "load_max_mean_busy": float(busy.max() / busy.mean()),
             "utilization": float(busy.mean() / sim_s),
             "hit_rate_by_kind": {k: h / n for k, (h, n) in sorted(self.by_kind.items())},
-            "pick_us_p50": float(np.percentile(pick_us, 50)),
-            "pick_us_p99": float(np.percentile(pick_us, 99)),
-            "prediction_error_p50": (float(np.median(self.prediction_errors))
-                                     if self.prediction_errors else None),
+            "pick_us_p50": percentile(pick_us, 50),
+            "pick_us_p99": percentile(pick_us, 99),
+            "prediction_error_p50": percentile(self.prediction_errors, 50),
             "replicas": len(self.gws), "shared_load": self.shared_load,
             "balancer": self.balancer,
             "kv_events": self.kv_events, "event_delay_s": self.event_delay_s,
@@ -394,7 +393,7 @@ def rate_for(load: float, backends: float, cost: CostModel, trace: TraceConfig) 
     """
     n = min(trace.requests, 30_000)
     sample = TraceConfig(**{**asdict(trace), "requests": n, "rate": 50.0})
-    reqs = [(r.t, len(r.tokens)) for r in Trace(sample)][n // 2:]
+    reqs = [(r.t, len(r.tokens)) for r in SyntheticTrace(sample)][n // 2:]
     tokens_per_s = sum(k for _, k in reqs) / (reqs[-1][0] - reqs[0][0])   # at rate 50
     return load * backends * cost.prefill_tokens_per_s * 50.0 / tokens_per_s
 

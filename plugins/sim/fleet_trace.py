@@ -73,8 +73,9 @@ class _Session:
         self.history, self.chain, self.turns_left = history, chain, turns_left
 
 
-class Trace:
-    """Iterates Requests in arrival order."""
+class SyntheticTrace:
+    """The synthetic trace of a TraceConfig (module doc): iterates its Requests in arrival
+    order."""
 
     def __init__(self, cfg: TraceConfig):
         self.cfg = cfg

@@ -29,10 +29,11 @@ import time
 from collections import deque
 
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.percentiles import percentile
 from prefixgate.plugins.prefix_keys import byte_hash_chain, render
 from prefixgate.plugins.sim import index_bench, predicted_bench
 from prefixgate.plugins.sim.fleet_sim import EVENT_DELAY_S
-from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_trace import SyntheticTrace, TraceConfig
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
 from prefixgate.proxy.context import RequestContext
@@ -97,8 +98,7 @@ def bench_keys(reqs) -> dict:
 
 
 def _us(xs, q) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q / 100))] * 1e6
+    return percentile(xs, q) * 1e6
 
 
 def main(argv=None) -> int:
@@ -151,8 +151,8 @@ def main(argv=None) -> int:
 
 
 def _pick_requests(args) -> list:
-    return list(Trace(TraceConfig(requests=args.requests, seed=args.seed, rate=5.0,
-                                  long_tokens=(4000, 8000))))
+    return list(SyntheticTrace(TraceConfig(requests=args.requests, seed=args.seed, rate=5.0,
+                                           long_tokens=(4000, 8000))))
 
 
 def _predicted(args) -> int:

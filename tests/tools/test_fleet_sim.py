@@ -6,7 +6,7 @@ import json
 import pytest
 
 from prefixgate.plugins.sim.fleet_sim import CostModel, FleetSim, main, rate_for
-from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_trace import SyntheticTrace, TraceConfig
 
 COST = CostModel(kv_blocks=2048)
 
@@ -62,8 +62,8 @@ def test_same_seed_same_result():
 
 
 def test_trace_sessions_extend_their_history():
-    reqs = list(Trace(TraceConfig(requests=400, seed=5, rate=2.0, think_s=1.0,
-                                  mix=(("chat", 1.0),))))
+    reqs = list(SyntheticTrace(TraceConfig(requests=400, seed=5, rate=2.0, think_s=1.0,
+                                           mix=(("chat", 1.0),))))
     by_prefix = 0
     for i, r in enumerate(reqs):
         later = [x for x in reqs[i + 1:] if len(x.tokens) > len(r.tokens) + len(r.output)

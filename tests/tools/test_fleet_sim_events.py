@@ -6,24 +6,16 @@ import json
 import pytest
 
 from prefixgate.backend.block_manager import BlockManager
-from prefixgate.backend.sequence import Sequence
 from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prefix_route.kv_index import Removed, Stored, decode_batch
 from prefixgate.plugins.sim import index_bench, route_bench
 from prefixgate.plugins.sim.engine_events import encode, record
 from prefixgate.plugins.sim.fleet_sim import CostModel, FleetSim, rate_for
-from prefixgate.plugins.sim.fleet_trace import Trace, TraceConfig
+from prefixgate.plugins.sim.fleet_trace import SyntheticTrace, TraceConfig
 from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
+from tests.engine.test_block_manager import computed as cached_prompt
 
 BS = 4
-
-
-def cached_prompt(bm: BlockManager, tokens: list[int]) -> Sequence:
-    seq = Sequence(tokens)
-    assert bm.allocate(seq, len(seq), bm.match_prefix(seq))
-    seq.num_computed_tokens = len(seq)
-    bm.cache_full_blocks(seq)
-    return seq
 
 
 def test_engine_events_reach_the_gateway_as_the_block_manager_caches():
@@ -55,7 +47,7 @@ def test_each_replicas_exact_index_holds_what_the_block_managers_hold():
     sim = FleetSim(4, "exact", t, cost, replicas=3, balancer="random")
     sim.run()
     truth = CacheOracle({name: b.bm for name, b in sim.backends.items()})
-    chains = [c for r in Trace(t) for c in (r.chain, r.history_chain) if c]
+    chains = [c for r in SyntheticTrace(t) for c in (r.chain, r.history_chain) if c]
     for index in sim.event_indexes:
         evicted = 0
         for name, b in sim.backends.items():
