@@ -1,8 +1,10 @@
 """`policy: cache_aware` — send a prompt where most of its leading blocks are cached.
 
 Score = matched leading blocks / the prompt's blocks, from the index handed in (`indexes.py`:
-approximate, or the engines' KV events), among upstreams that are not overloaded. The knobs,
-in the spirit of SGLang's cache-aware router:
+approximate, or the engines' KV events), among upstreams that are not overloaded (nor
+saturated); those that are, and those that hold none of it, score 0 — less 1e-9 per request
+of load, so that equal matches go to the lighter upstream. The knobs, in the spirit of
+SGLang's cache-aware router:
 
   balance_abs_threshold, balance_rel_threshold
       An upstream is *overloaded* when its load exceeds the lightest upstream's by more than
@@ -15,7 +17,8 @@ in the spirit of SGLang's cache-aware router:
       new prefix families instead of piling them where a common preamble was seen.
 
 Outcomes: `cache` (a home found), `new` (none), `balance` (the best home was overloaded),
-`nokey` (a prompt without one full block).
+`nokey` (a prompt without one full block). Without a home (new, balance, nokey) the scores
+are the least-loaded fallback's (scorer.py).
 """
 from __future__ import annotations
 
@@ -41,22 +44,21 @@ class CacheAware(PrefixScorer):
         matched = keys.matched = self.index.match(ctx, keys, upstreams)
         loads = {u: u.load for u in upstreams}
         lightest = min(loads.values())
-        good, best, excluded = [], 0, 0
+        good, best, excluded = {}, 0, 0
         for u in upstreams:
             m = matched.get(u.name)
             if m is None:
                 continue
-            load = loads[u]
-            if self.overloaded(load, lightest) or self.saturated(u):
+            if self.overloaded(loads[u], lightest) or self.saturated(u):
                 excluded = max(excluded, m)          # overloaded: its cache is not worth it
                 continue
-            good.append((u, m))
+            good[u] = m
             best = max(best, m)
         ctx.route_info.update(policy="cache_aware", blocks=n, best_match=best, mode=keys.mode)
         if best / n >= self.cache_threshold:
             self.decided(ctx, "cache")
             # ties in match go to the lighter upstream (then at random, in the gateway)
-            return {u: m / n - 1e-9 * loads[u] for u, m in good}
+            return {u: good.get(u, 0) / n - 1e-9 * loads[u] for u in upstreams}
         home_overloaded = excluded > best and excluded / n >= self.cache_threshold
         return self.least_loaded(ctx, upstreams, "balance" if home_overloaded else "new",
                                  loads, matched)

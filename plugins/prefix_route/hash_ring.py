@@ -7,12 +7,17 @@ state. A key goes to the first upstream clockwise from its hash whose load is un
 passes the key on to the next one on the ring. No upstream ever holds more than
 `load_factor` times its share, and a key only moves when its home is over the bound, down or
 gone — and moves back when that ends.
+
+`rank` orders every candidate for a key: those under their bound in ring order (the first is
+the choice), then those under it but not eligible (saturated), then those over it, each in
+ring order; the walk from a ring point is kept (`order`), so ranking costs one pass over
+the candidates.
 """
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import xxhash
 
@@ -27,6 +32,8 @@ class HashRing:
         self._points = [p for p, _ in points]
         self._owners = [n for _, n in points]
         self.names = frozenset(self._owners)
+        self._orders: dict[int, tuple[str, ...]] = {}     # start point -> every name in order
+        self._max_orders = max(64, (1 << 18) // max(1, len(self.names)))   # ~2 MB of names
 
     def __len__(self) -> int:
         return len(self.names)
@@ -47,23 +54,40 @@ class HashRing:
                 if len(seen) == len(self.names):
                     return
 
-    def choose(self, key: int, loads: dict[str, float], weights: dict[str, float],
-               total_weight: float, load_factor: float,
-               eligible: Callable[[str], bool] | None = None) -> tuple[str | None, str | None]:
-        """(chosen name, home name): the first name on the walk that is in `loads` (the
-        candidates), eligible and under its bound; the home is the first candidate met."""
+    def order(self, key: int) -> tuple[str, ...]:
+        """Every upstream name in ring order from the first point after `key` (kept per
+        starting point: a prefix family starts its walk at one point)."""
+        n = len(self._points)
+        start = bisect_right(self._points, key) % n if n else 0
+        names = self._orders.get(start)
+        if names is None:
+            if len(self._orders) >= self._max_orders:
+                self._orders.clear()
+            names = self._orders[start] = tuple(self.walk(key))
+        return names
+
+    def rank(self, key: int, loads: dict[str, float], weights: dict[str, float] | None,
+             total_weight: float, load_factor: float, saturated=frozenset()
+             ) -> tuple[list[str], str | None]:
+        """(the candidates' names ranked, the home's name): the candidates are the names in
+        `loads` (`weights` None: every weight is 1); the first ranked is the choice, the home
+        is the first candidate met on the walk."""
         budget = load_factor * (sum(loads.values()) + 1) / total_weight
-        home = fallback = None
-        for name in self.walk(key):
-            load = loads.get(name)
-            if load is None:
-                continue
-            if home is None:
-                home = name
-            if load < math.ceil(budget * weights[name]):
-                if eligible is None or eligible(name):
-                    return name, home
-                if fallback is None:
-                    fallback = name
-        # every candidate over its bound (e.g. all saturated): least-bad deterministic choice
-        return fallback or home, home
+        if weights is None:
+            bound = math.ceil(budget)
+            over = {n for n, load in loads.items() if load >= bound}
+        else:
+            over = {n for n, load in loads.items() if load >= math.ceil(budget * weights[n])}
+        order = self.order(key)
+        if loads.keys() != self.names:
+            order = [n for n in order if n in loads]
+        if not order:
+            return [], None
+        if not over and not saturated:
+            return list(order), order[0]
+        bad = over | saturated if saturated else over
+        ranked = [n for n in order if n not in bad]
+        if saturated:                   # under the bound but saturated: after those that are not
+            ranked += [n for n in order if n in saturated and n not in over]
+        ranked += [n for n in order if n in over]
+        return ranked, order[0]

@@ -18,6 +18,16 @@ best, whichever is larger: affinity holds until the home is saturated, and no lo
 prefill leg of a P/D request is chosen the same way among the prefill upstreams (the chain's
 scorers pick it, proxy/pd.py): the least predicted prefill time.
 
+Score (every candidate, so that a `weight:` mixes it with a load scorer): the chosen upstream
+1, every other the ratio of the chosen one's effective prediction to its own, below 1 — an
+upstream predicted twice as slow as the chosen one scores 0.5. A prediction is effective as
+it is, but for the home's: best × predicted(home) / (best + tie), the tie's additive allowance
+as a factor at this decision, so the home is the top score exactly when it is kept; a
+saturated upstream's score is halved. Among equal least predictions the policy picks one at
+random and scores the others just below it (1 − 1e-9). Where another scorer's weight or a
+session's bonus makes the gateway pick another upstream, the request's prefill work moves to
+that upstream's lane before the next decision (`_settle`).
+
 Outcomes: `home` (the home kept it), `spill` (another upstream was faster by more than the
 tie), `new` (no upstream holds a block of it), `nokey` (no key: no upstream holds any of it),
 `session` (soft `session:` mode: the session's upstream is the home, and kept it).
@@ -46,7 +56,12 @@ from prometheus_client import Histogram
 from prefixgate.plugins.prefix_keys import prompt_token_ids
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
-from prefixgate.plugins.prefix_route.scorer import PrefixScorer
+from prefixgate.plugins.prefix_route.scorer import (
+    BELOW_TOP,
+    SATURATED,
+    SESSION_BONUS,
+    PrefixScorer,
+)
 from prefixgate.plugins.prefix_route.ttft_model import DEFAULT_PRIOR, Prior, TTFTModel
 from prefixgate.proxy.observe import usage
 
@@ -86,6 +101,7 @@ class PredictedTTFT(PrefixScorer):
         self.block_tokens = cfg["block_tokens"]
         self.text_block_tokens = cfg["block_bytes"] / BYTES_PER_TOKEN
         self.clock = time.monotonic          # the fleet simulator sets its simulated clock
+        self._unsettled = None               # the last decision until its pick is known
         self.errors = Histogram("prefixgate_route_ttft_prediction_error", "predicted_ttft: "
                                 "|predicted - measured| / measured time to first token, per "
                                 "upstream", ["upstream"], buckets=ERROR_BUCKETS,
@@ -121,18 +137,16 @@ class PredictedTTFT(PrefixScorer):
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
                session=None, avoid_full: bool = True) -> dict:
+        self._settle()
         now = self.clock()
         model = ctx.model
         slots = self._slots.get(model) or self._slots.setdefault(model, {})
-        best = second = home = None       # rows: (predicted s, upstream, ahead, cached)
+        best = second = home = None   # rows: (predicted s, upstream, ahead, cached, matched)
         best_t = second_t = home_t = math.inf
         home_m = ties = 0
-        saturated = []
+        rows, full = [], None         # every candidate's row; the saturated ones'
         for u in upstreams:
             polled = u.polled
-            if avoid_full and polled is not None and self.saturated(u):
-                saturated.append(u)
-                continue
             name = u.name
             fit, lane = slots.get(name) or self._slot(slots, name, model, now)
             per_token = fit.per_token_s
@@ -141,27 +155,35 @@ class PredictedTTFT(PrefixScorer):
             ahead = lane.ahead(now, per_token, None if polled is None else polled.waiting(u)
                                ) if lane.tokens or polled is not None else 0.0
             t = fit.overhead_s + per_token * (ahead + prompt - cached)
+            row = (t, u, ahead, cached, m)
+            if avoid_full and polled is not None and self.saturated(u):
+                full = [row] if full is None else full + [row]
+                continue
+            rows.append(row)
             if t < best_t:
-                second, second_t, best, best_t = best, best_t, (t, u, ahead, cached), t
+                second, second_t, best, best_t = best, best_t, row, t
                 ties = 1
             elif t == best_t:                 # equals (idle twins): one of them at random
                 ties += 1
-                row = (t, u, ahead, cached)
                 if random.random() * ties < 1:
-                    best, row = row, best
-                second, second_t = row, t
+                    second, best = best, row
+                else:
+                    second = row
+                second_t = t
             elif t < second_t:
-                second, second_t = (t, u, ahead, cached), t
+                second, second_t = row, t
             if session is not None:
                 if u is session:
-                    home, home_m, home_t = (t, u, ahead, cached), m, t
+                    home, home_m, home_t = row, m, t
             elif m and (m > home_m or (m == home_m and t < home_t)):
-                home, home_m, home_t = (t, u, ahead, cached), m, t
+                home, home_m, home_t = row, m, t
         if best is None:                  # every one saturated: the least bad of them
-            return self._route(ctx, saturated, matched, per_block, prompt, session, False)
+            return self._route(ctx, [row[1] for row in full], matched, per_block, prompt,
+                               session, False)
+        allowance = max(self.tie_s, self.tie_fraction * best_t)
         if home is None:
             chosen, outcome = best, "new" if ctx.route_info["blocks"] else "nokey"
-        elif home_t <= best_t + max(self.tie_s, self.tie_fraction * best_t):
+        elif home_t <= best_t + allowance:
             chosen, outcome = home, "home"
         else:
             chosen, outcome = best, "spill"
@@ -172,11 +194,39 @@ class PredictedTTFT(PrefixScorer):
                 outcome = "session"
             else:
                 self.session_moved(ctx)
-        self._routed(ctx, chosen, prompt, now)
+        self._routed(ctx, chosen, prompt, now, rows if full is None else rows + full)
         ctx.route_info.update(best_match=home_m, predicted_ttft_ms=_header_times(
             chosen, second if chosen[1] is best[1] else best))
         self.decided(ctx, outcome)
-        return {chosen[1]: 1.0}
+        scores = self._scores(rows, full, chosen, home, best_t, allowance)
+        if outcome == "session":
+            scores[session] += SESSION_BONUS
+        return scores
+
+    @staticmethod
+    def _scores(rows: list, full: list | None, chosen: tuple, home: tuple | None,
+                best_t: float, allowance: float) -> dict:
+        """Every candidate's score (module doc): the chosen one 1, the others their effective
+        prediction's ratio to the chosen one's, below 1 (halved when saturated)."""
+        ref = best_t                       # the chosen one's effective prediction
+        home_eff = None
+        if home is not None:
+            home_eff = home[0] * best_t / (best_t + allowance)
+            if chosen is home:
+                ref = home_eff
+        scores = {}
+        for row in rows:
+            s = ref / row[0]
+            scores[row[1]] = s if s < BELOW_TOP else BELOW_TOP
+        if home_eff is not None and chosen is not home:
+            s = ref / home_eff
+            scores[home[1]] = s if s < BELOW_TOP else BELOW_TOP
+        if full is not None:
+            for row in full:
+                s = ref / row[0]
+                scores[row[1]] = (s if s < BELOW_TOP else BELOW_TOP) * SATURATED
+        scores[chosen[1]] = 1.0
+        return scores
 
     def _slot(self, slots: dict, name: str, model: str | None, now: float) -> tuple:
         """(fit, lane) of upstream `name` for `model`, looked up once per candidate."""
@@ -190,25 +240,51 @@ class PredictedTTFT(PrefixScorer):
             return len(prompt_token_ids(ctx.body) or ()) or len(keys.chain) * per_block
         return max(len(ctx.raw_body) / BYTES_PER_TOKEN, len(keys.chain) * per_block, 1)
 
-    def _routed(self, ctx, chosen: tuple, prompt: float, now: float) -> None:
+    def _routed(self, ctx, chosen: tuple, prompt: float, now: float, rows: list) -> None:
         """Put the request on its upstream's lane (off the lane of an attempt before)."""
-        t, up, ahead, cached = chosen
+        t, up, ahead, cached, _ = chosen
         before = ctx.state.get(STATE_KEY)
         if before is not None and before.key:
             self.queue.remove(before.name, before.key, now, answered=False)
         own = prompt - cached
         ctx.state[STATE_KEY] = Routed(up.name, self.queue.add(up.name, own, now), cached, own,
                                       ahead, t, retried=before is not None)
+        self._unsettled = (ctx, rows, now)
+
+    def _settle(self) -> None:
+        """The last decision's request is on the upstream the gateway picked, which another
+        scorer of the chain (its weight, a session's bonus) may have made another than this
+        one's choice: then its prefill work moves to that upstream's lane, as predicted there.
+        Called before the next decision and at answers: by then the pick is known."""
+        last = self._unsettled
+        if last is None:
+            return
+        self._unsettled = None
+        ctx, rows, at = last
+        r = ctx.state.get(STATE_KEY)
+        up = ctx.prefill_upstream or ctx.upstream
+        if r is None or up is None or up.name == r.name or not r.key:
+            return
+        row = next((row for row in rows if row[1] is up), None)
+        if row is None:
+            return
+        t, _, ahead, cached, _ = row
+        own = r.own + r.cached - cached
+        self.queue.remove(r.name, r.key, at, answered=False)
+        r.name, r.key = up.name, self.queue.add(up.name, own, at)
+        r.cached, r.own, r.ahead, r.predicted_s = cached, own, ahead, t
 
     # --- what the answer teaches -------------------------------------------------------------
     def answered(self, ctx) -> None:
         """The first byte: the chosen upstream has computed the prompt."""
+        self._settle()
         r = ctx.state.get(STATE_KEY)
         if r is not None and r.key:
             self.queue.remove(r.name, r.key, self.clock(), answered=True)
             r.key, r.answered = 0, True
 
     def finished(self, ctx, error) -> None:
+        self._settle()
         r = ctx.state.get(STATE_KEY)
         if r is None:
             return

@@ -9,6 +9,17 @@ outcome}` and told to the client in the `x-prefixgate-route` header (predicted_t
 predictions). The scorer also follows the upstream set (discovery, reloads): a policy's
 state about upstreams is rebuilt when the set changes. With `session:` (sessions.py), a
 request that names its session goes to the session's upstream first.
+
+Every policy scores every candidate (DESIGN.md §2), so that a `weight:` mixes it with a load
+scorer: the policy's own choice gets the top score, and the gateway's pick among them alone
+is the policy's choice, ties included; the other candidates rank below it by the policy's
+own measure (its module doc says which). The scores shared here:
+
+- the least-loaded fallback: 1 for the lightest candidates that are not saturated (a longer
+  partial match first), else 1 / (1 + requests above the lightest), halved when saturated;
+- a kept session: the policy's scores plus SESSION_BONUS on the session's upstream, more than
+  any policy's whole range (0..1), so that it wins against a load scorer of equal weight
+  wherever the one-hot score it replaces did.
 """
 from __future__ import annotations
 
@@ -16,6 +27,10 @@ from prometheus_client import Counter
 
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.sessions import Sessions
+
+BELOW_TOP = 1.0 - 1e-9      # the most any candidate but a policy's choice scores (top: 1)
+SATURATED = 0.5             # a saturated upstream's score is multiplied by this
+SESSION_BONUS = 2.0         # added to the score of a kept session's upstream
 
 
 class PrefixScorer:
@@ -46,12 +61,14 @@ class PrefixScorer:
             self._members = members
             self.members_changed(members)
         keys = self.keys.of(ctx)
-        if self.sessions is not None:
-            session = self.sessions.session_id(ctx)
-            if session is not None:
-                return self.for_session(ctx, keys, self.sessions.upstream(session, upstreams),
-                                        upstreams)
-        return self.by_policy(ctx, keys, upstreams)
+        session = self.sessions.session_id(ctx) if self.sessions is not None else None
+        if session is not None:
+            scores = self.for_session(ctx, keys, self.sessions.upstream(session, upstreams),
+                                      upstreams)
+        else:
+            scores = self.by_policy(ctx, keys, upstreams)
+        self.report(ctx)
+        return scores
 
     def by_policy(self, ctx, keys: Keys, upstreams) -> dict:
         if not keys.chain and keys.short is None:
@@ -63,15 +80,17 @@ class PrefixScorer:
         saturated or overloaded; then the policy routes it."""
         if self.sessions.hard or not (self.saturated(home) or self.overloaded(
                 home.load, min(u.load for u in upstreams))):
-            return self.session_kept(ctx, keys, home)
+            return self.session_kept(ctx, home, self.by_policy(ctx, keys, upstreams))
         self.session_moved(ctx)
         return self.by_policy(ctx, keys, upstreams)
 
-    def session_kept(self, ctx, keys: Keys, home) -> dict:
-        ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), session="kept")
+    def session_kept(self, ctx, home, scores: dict) -> dict:
+        """The policy's `scores`, with the session's bonus on `home`."""
+        ctx.route_info["session"] = "kept"
         self.session_routes.labels("kept").inc()
         self.decided(ctx, "session")
-        return {home: 1.0}
+        scores[home] = scores.get(home, 0.0) + SESSION_BONUS
+        return scores
 
     def session_moved(self, ctx) -> None:
         ctx.route_info["session"] = "moved"
@@ -100,19 +119,37 @@ class PrefixScorer:
 
     def least_loaded(self, ctx, upstreams, outcome: str, loads: dict | None = None,
                      matched: dict | None = None) -> dict:
-        """The least loaded upstreams (not saturated); among them a partial match wins."""
+        """The least loaded upstreams (not saturated) score 1, among them those with the
+        longest partial match; every other one 1 / (1 + its requests above the lightest),
+        below 1, halved when saturated."""
         loads = loads or {u: u.load for u in upstreams}
-        ok = [u for u in upstreams if not self.saturated(u)] or upstreams
-        lightest = min(loads[u] for u in ok)
+        saturated = {u for u in upstreams if u.polled is not None and self.saturated(u)}
+        if len(saturated) == len(upstreams):
+            saturated = ()              # all of them: none is worse for it
+        lightest = min(loads[u] for u in upstreams if u not in saturated) if saturated else \
+            min(loads.values())
         ctx.route_info.setdefault("policy", self.policy)
         self.decided(ctx, outcome)
-        matched = matched or {}
-        return {u: 1.0 + 1e-6 * matched.get(u.name, 0) for u in ok if loads[u] == lightest}
+        scores = {u: 1.0 / (1.0 + load - lightest) if load > lightest else 1.0
+                  for u, load in loads.items()}
+        for u in saturated:
+            scores[u] *= SATURATED
+        if matched:       # a partial match breaks the tie between the lightest upstreams
+            top = [u for u in upstreams if loads[u] == lightest and u not in saturated]
+            most = max(matched.get(u.name, 0) for u in top)
+            for u in top:
+                if matched.get(u.name, 0) < most:
+                    scores[u] = BELOW_TOP
+        return scores
 
     def decided(self, ctx, outcome: str) -> None:
+        """The decision's outcome (counted, and told in the header, by `report`)."""
+        ctx.route_info["outcome"] = outcome
+
+    def report(self, ctx) -> None:
         """Count the decision and tell the client why (the route header)."""
         info = ctx.route_info
-        info["outcome"] = outcome
+        outcome = info["outcome"]
         counter = self._outcomes.get(outcome)
         if counter is None:
             counter = self._outcomes[outcome] = self.decisions.labels(self.policy, outcome)
