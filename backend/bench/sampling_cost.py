@@ -22,12 +22,13 @@ repeats. On a 2-core CPU the default run takes ~2 minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
+
+from prefixgate.backend.bench.script import int_list, save_json
 
 VOCABS = (49_152, 151_936)
 BATCHES = (1, 16, 64)
@@ -121,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    ints = lambda s: [int(x) for x in s.split(",")]         # noqa: E731
-    vocabs = ints(a.vocabs) if a.vocabs else ([49_152] if a.quick else list(VOCABS))
-    batches = ints(a.batches) if a.batches else ([1, 16] if a.quick else list(BATCHES))
+    vocabs = int_list(a.vocabs) if a.vocabs else ([49_152] if a.quick else list(VOCABS))
+    batches = int_list(a.batches) if a.batches else ([1, 16] if a.quick else list(BATCHES))
     repeats = a.repeats or (3 if a.quick else 5)
     kinds = {k: s for k, s in (("peaked", a.peaked_scale), ("flat", a.flat_scale))
              if a.logits in (k, "both")}
@@ -136,11 +136,8 @@ def main(argv: list[str] | None = None) -> int:
           "| candidates ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = run(vocabs, batches, kinds, repeats, a.seed)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "candidates": CANDIDATES,
-                       "repeats": repeats, "torch": torch.__version__, "rows": rows}, f,
-                      indent=1)
+    save_json({"threads": torch.get_num_threads(), "candidates": CANDIDATES, "repeats": repeats,
+               "torch": torch.__version__, "rows": rows}, a.json)
     return 0
 
 
