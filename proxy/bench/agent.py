@@ -326,8 +326,8 @@ def print_agent(archive: dict) -> None:
     for c in archive["cells"]:
         s = c["summary"]
         by_turn = c["history_cached_by_turn"]
-        print(f"{c['mode']:<9}" + fmt(pct(c["history_cached"]), 9, 1)
-              + "".join(fmt(pct(by_turn.get(n, by_turn.get(str(n)))), 6, 1)
+        print(f"{c['mode']:<9}" + fmt(as_percent(c["history_cached"]), 9, 1)
+              + "".join(fmt(as_percent(by_turn.get(n, by_turn.get(str(n)))), 6, 1)
                         for n in range(2, w["turns"] + 1))
               + fmt(c["uncached_tokens_per_turn_p50"], 9, 0)
               + "".join(fmt(s[f"ttft_p{q}_ms"], 7, 0) for q in (50, 95, 99))
@@ -336,5 +336,6 @@ def print_agent(archive: dict) -> None:
               + fmt(s["errors"], 5))
 
 
-def pct(share: float | None) -> float | None:
+def as_percent(share: float | None) -> float | None:
+    """A share (0.25) as a percentage (25.0), for the table; not a percentile."""
     return None if share is None else 100.0 * share
