@@ -25,6 +25,7 @@ import statistics
 import time
 import uuid
 
+from prefixgate.common.percentiles import percentile
 from prefixgate.common.runtime import run_on_uvloop
 
 MINUTE_WORDS = ["orders", "refunds", "shipping", "accounts", "invoices", "warranty", "returns",
@@ -73,9 +74,8 @@ def _head(i: int) -> str:
 
 
 def _stats(samples: list[float]) -> dict:
-    s = sorted(samples)
-    return {"median_ms": statistics.median(s) * 1e3, "p90_ms": s[int(0.9 * (len(s) - 1))] * 1e3,
-            "n": len(s)}
+    return {"median_ms": statistics.median(samples) * 1e3,
+            "p90_ms": percentile(samples, 90) * 1e3, "n": len(samples)}
 
 
 def _run_sync(coro) -> None:
@@ -198,7 +198,7 @@ async def bench_loop_stall(model_dir, tokenizer, size: int, n: int) -> dict:
         stop.set()
         await task
         out[mode] = {"max_stall_ms": max(stalls) * 1e3,
-                     "p99_stall_ms": sorted(stalls)[int(0.99 * (len(stalls) - 1))] * 1e3}
+                     "p99_stall_ms": percentile(stalls, 99) * 1e3}
     return out
 
 
