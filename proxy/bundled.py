@@ -13,7 +13,8 @@ import json
 import sys
 
 from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
-from prefixgate.common.runtime import free_port, wait_ready
+from prefixgate.common.processes import ServerProcess
+from prefixgate.common.runtime import free_port
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
 
@@ -24,7 +25,7 @@ class BundledEngines:
         self.cfg = cfg                      # the validated `bundled:` mapping
         self.roles = cfg.get("roles") or ["both"] * cfg["instances"]     # --role per engine
         self.tracing = tracing              # the gateway's `tracing:`: the engines trace too
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list[ServerProcess] = []
         # ports are chosen up front so the gateway (and its plugins) can be built first
         self.ports = [free_port(cfg["host"]) for _ in self.roles]
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
@@ -63,15 +64,14 @@ class BundledEngines:
     async def start(self) -> None:
         """Launch the engines and wait until each one's /health says 200, which is after its
         warm-up (wait_ready takes the 503 meanwhile, like a refused connection, as "not yet")."""
-        for i, (port, role) in enumerate(zip(self.ports, self.roles)):
+        for i, (port, url, role) in enumerate(zip(self.ports, self.urls, self.roles)):
             cmd = [sys.executable, "-m", "prefixgate.backend", "--model", self.cfg["model"],
                    "--host", self.cfg["host"], "--port", str(port), "--role", role,
                    *self.engine_args(i)]
-            self.procs.append(await asyncio.create_subprocess_exec(*cmd))
-        await asyncio.gather(*(
-            wait_ready(url, "/health", self.cfg["startup_timeout_s"], proc,
-                       what=f"bundled engine at {url}", interval=0.25)
-            for proc, url in zip(self.procs, self.urls)))
+            self.procs.append(ServerProcess(cmd, url, what=f"bundled engine at {url}",
+                                            inherit_output=True).start())
+        await asyncio.gather(*(proc.ready(self.cfg["startup_timeout_s"], interval=0.25)
+                               for proc in self.procs))
 
     def engine_args(self, index: int = 0) -> list[str]:
         """Engine `index`'s flags: `bundled.args`, `bundled.speculative_config`, `load_format`,
@@ -100,11 +100,4 @@ class BundledEngines:
         return args
 
     async def stop(self) -> None:
-        for proc in self.procs:
-            if proc.returncode is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except asyncio.TimeoutError:
-                proc.kill()
+        await asyncio.gather(*(proc.close(timeout=10) for proc in self.procs))
