@@ -55,7 +55,7 @@ class Health:
         self.states: dict = {}           # Upstream -> State
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
-        gw.registry.register(_HealthCollector(self))
+        gw.registry.register(self)     # its metrics: `collect`
 
     def state(self, up) -> State:
         st = self.states.get(up)
@@ -189,20 +189,14 @@ class Health:
             out["last_probe"] = st.last_probe
         return out
 
-
-class _HealthCollector:
-    """`prefixgate_upstream_healthy{upstream}` and `prefixgate_upstream_ejections_total`."""
-
-    def __init__(self, health: Health):
-        self.health = health
-
     def collect(self):
+        """`prefixgate_upstream_healthy{upstream}` and `prefixgate_upstream_ejections_total`
+        (Prometheus asks at each scrape)."""
         healthy = GaugeMetricFamily("prefixgate_upstream_healthy", "1 while the upstream "
                                     "receives requests, 0 while it is ejected", labels=["upstream"])
         ejections = CounterMetricFamily("prefixgate_upstream_ejections", "Times the upstream "
                                         "was taken out of rotation", labels=["upstream"])
-        for up in self.health.gw.upstreams:
+        for up in self.gw.upstreams:
             healthy.add_metric([up.name], 1.0 if up.healthy else 0.0)
-            ejections.add_metric([up.name], self.health.state(up).ejections)
-        yield healthy
-        yield ejections
+            ejections.add_metric([up.name], self.state(up).ejections)
+        return [healthy, ejections]
