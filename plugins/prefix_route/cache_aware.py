@@ -58,7 +58,10 @@ class CacheAware(PrefixScorer):
         if best / n >= self.cache_threshold:
             self.decided(ctx, "cache")
             # ties in match go to the lighter upstream (then at random, in the gateway)
-            return {u: good.get(u, 0) / n - 1e-9 * loads[u] for u in upstreams}
+            scores = {u: -1e-9 * load for u, load in loads.items()}
+            for u, m in good.items():
+                scores[u] += m / n
+            return scores
         home_overloaded = excluded > best and excluded / n >= self.cache_threshold
         return self.least_loaded(ctx, upstreams, "balance" if home_overloaded else "new",
                                  loads, matched)

@@ -70,8 +70,8 @@ class HashRing:
              total_weight: float, load_factor: float, saturated=frozenset()
              ) -> tuple[list[str], str | None]:
         """(the candidates' names ranked, the home's name): the candidates are the names in
-        `loads` (`weights` None: every weight is 1); the first ranked is the choice, the home
-        is the first candidate met on the walk."""
+        `loads`, members of the ring (`weights` None: every weight is 1); the first ranked is
+        the choice, the home is the first candidate met on the walk."""
         budget = load_factor * (sum(loads.values()) + 1) / total_weight
         if weights is None:
             bound = math.ceil(budget)
@@ -79,7 +79,7 @@ class HashRing:
         else:
             over = {n for n, load in loads.items() if load >= math.ceil(budget * weights[n])}
         order = self.order(key)
-        if loads.keys() != self.names:
+        if len(loads) != len(self.names):         # some members are not candidates
             order = [n for n in order if n in loads]
         if not order:
             return [], None

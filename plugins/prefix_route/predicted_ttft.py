@@ -80,6 +80,7 @@ class Routed:
     ahead: float            # tokens ahead of it there
     predicted_s: float
     retried: bool = False   # routed more than once (a failed attempt before): teaches nothing
+    moved: bool = False     # another scorer sent it elsewhere (on that lane): teaches nothing
     answered: bool = False  # its first byte came
 
 
@@ -198,33 +199,33 @@ class PredictedTTFT(PrefixScorer):
         ctx.route_info.update(best_match=home_m, predicted_ttft_ms=_header_times(
             chosen, second if chosen[1] is best[1] else best))
         self.decided(ctx, outcome)
-        scores = self._scores(rows, full, chosen, home, best_t, allowance)
+        scores = self._scores(rows, full, chosen, home, best_t, allowance, ties > 1)
         if outcome == "session":
             scores[session] += SESSION_BONUS
         return scores
 
     @staticmethod
     def _scores(rows: list, full: list | None, chosen: tuple, home: tuple | None,
-                best_t: float, allowance: float) -> dict:
+                best_t: float, allowance: float, twins: bool) -> dict:
         """Every candidate's score (module doc): the chosen one 1, the others their effective
-        prediction's ratio to the chosen one's, below 1 (halved when saturated)."""
+        prediction's ratio to the chosen one's, below 1 (halved when saturated); `twins`:
+        several upstreams share the least prediction."""
         ref = best_t                       # the chosen one's effective prediction
         home_eff = None
         if home is not None:
             home_eff = home[0] * best_t / (best_t + allowance)
             if chosen is home:
                 ref = home_eff
-        scores = {}
-        for row in rows:
-            s = ref / row[0]
-            scores[row[1]] = s if s < BELOW_TOP else BELOW_TOP
+        scores = {row[1]: ref / row[0] for row in rows}
+        if ref >= best_t and (twins or chosen is home):    # as fast as the chosen: just below
+            for row in rows:
+                if row[0] <= ref:
+                    scores[row[1]] = BELOW_TOP
         if home_eff is not None and chosen is not home:
-            s = ref / home_eff
-            scores[home[1]] = s if s < BELOW_TOP else BELOW_TOP
+            scores[home[1]] = min(ref / home_eff, BELOW_TOP)
         if full is not None:
             for row in full:
-                s = ref / row[0]
-                scores[row[1]] = (s if s < BELOW_TOP else BELOW_TOP) * SATURATED
+                scores[row[1]] = min(ref / row[0], BELOW_TOP) * SATURATED
         scores[chosen[1]] = 1.0
         return scores
 
@@ -272,7 +273,7 @@ class PredictedTTFT(PrefixScorer):
         own = r.own + r.cached - cached
         self.queue.remove(r.name, r.key, at, answered=False)
         r.name, r.key = up.name, self.queue.add(up.name, own, at)
-        r.cached, r.own, r.ahead, r.predicted_s = cached, own, ahead, t
+        r.cached, r.own, r.ahead, r.predicted_s, r.moved = cached, own, ahead, t, True
 
     # --- what the answer teaches -------------------------------------------------------------
     def answered(self, ctx) -> None:
@@ -292,7 +293,7 @@ class PredictedTTFT(PrefixScorer):
             self.queue.remove(r.name, r.key, self.clock(), answered=False)
             r.key = 0
             return
-        if not r.answered or r.retried or error is not None or ctx.status != 200:
+        if not r.answered or r.retried or r.moved or error is not None or ctx.status != 200:
             return
         measured = self._measured(ctx, r)
         if measured is not None and measured > 0:

@@ -28,7 +28,7 @@ from prometheus_client import Counter
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.sessions import Sessions
 
-BELOW_TOP = 1.0 - 1e-9      # the most any candidate but a policy's choice scores (top: 1)
+BELOW_TOP = 1.0 - 1e-9      # a candidate's score where it would equal the policy's choice's
 SATURATED = 0.5             # a saturated upstream's score is multiplied by this
 SESSION_BONUS = 2.0         # added to the score of a kept session's upstream
 
