@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from prefixgate.common.errors import HTTPError
+from prefixgate.common.errors import HTTPError, shape_for
 
 log = logging.getLogger("prefixgate.server")
 
@@ -74,7 +74,8 @@ def json_errors_middleware(
         passthrough: tuple[type[BaseException], ...] = (),
         internal_message: str | Callable[[Exception], str] = "internal error",
         logger: logging.Logger = log):
-    """An aiohttp middleware answering every error in OpenAI's JSON shape.
+    """An aiohttp middleware answering every error in JSON, in the shape of the path's API
+    (errors.shape_for: OpenAI's, or Anthropic's on the Messages API).
 
     HTTPError -> its response; aiohttp's own errors (404/405 from the router, 413 ...) -> the
     same shape, with `reasons(request, status)` as the message when it gives one (else
@@ -87,12 +88,13 @@ def json_errors_middleware(
         try:
             return await handler(request)
         except HTTPError as e:
-            return e.response()
+            return e.response(shape=shape_for(request.path))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             reason = reasons(request, e.status) if reasons is not None else None
-            return HTTPError(e.status, reason or e.reason).response()
+            return HTTPError(e.status, reason or e.reason).response(
+                shape=shape_for(request.path))
         except asyncio.CancelledError:
             raise
         except passthrough:
@@ -100,7 +102,8 @@ def json_errors_middleware(
         except Exception as e:
             logger.exception("unhandled error on %s %s", request.method, request.path)
             message = internal_message if isinstance(internal_message, str) else internal_message(e)
-            return HTTPError(500, message, code="internal_error").response()
+            return HTTPError(500, message, code="internal_error").response(
+                shape=shape_for(request.path))
     return json_errors
 
 
