@@ -13,7 +13,7 @@ from functools import partial
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from prefixgate.common.errors import HTTPError
+from prefixgate.common.errors import HTTPError, shape_for
 from prefixgate.common.runtime import encode_body, json_errors_middleware
 from prefixgate.proxy import admin, guard, pd, relay, response_ids, route, token_forward, warm
 from prefixgate.proxy.auth import Auth
@@ -196,7 +196,7 @@ class Gateway:
         except HTTPError as e:
             error = e
             ctx.status, ctx.error = e.status, e.message
-            resp = e.response(relay.our_headers(ctx))
+            resp = e.response(relay.our_headers(ctx), shape=shape_for(ctx.path))
             if e.headers.get("Connection") == "close":
                 resp.force_close()        # e.g. a trickled body: don't wait for the rest
             return resp

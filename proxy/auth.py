@@ -84,7 +84,8 @@ def validate(raw) -> dict | None:
 
 
 class Auth:
-    """Checks `Authorization: Bearer <key>` on /v1/ requests; None config = open gateway."""
+    """Checks `Authorization: Bearer <key>` — or Anthropic's `x-api-key: <key>` — on /v1/
+    requests; None config = open gateway."""
 
     def __init__(self, cfg: dict | None):
         self.cfg = cfg
@@ -98,15 +99,7 @@ class Auth:
     def identify(self, headers) -> ApiKey | None:
         if not self.keys:
             return None
-        values = headers.getall("Authorization", [])
-        if len(values) != 1:
-            raise _unauthorized("missing API key (send Authorization: Bearer <key>)"
-                                if not values else "more than one Authorization header")
-        scheme, _, token = values[0].partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise _unauthorized("malformed Authorization header (expected Bearer <key>)")
-        presented = digest_of(token)
+        presented = digest_of(_presented_key(headers))
         found = None
         for k in self.keys:         # no early exit: same work whichever key matches
             if hmac.compare_digest(presented, k.digest):
@@ -114,6 +107,27 @@ class Auth:
         if found is None:
             raise _unauthorized("invalid API key")
         return found
+
+
+
+
+def _presented_key(headers) -> str:
+    """The one API key a request presents: `Authorization: Bearer <key>` or `x-api-key`."""
+    bearer, plain = headers.getall("Authorization", []), headers.getall("x-api-key", [])
+    if len(bearer) + len(plain) != 1:
+        raise _unauthorized("missing API key (send Authorization: Bearer <key> or x-api-key: "
+                            "<key>)" if not bearer and not plain else
+                            "more than one API key header (Authorization or x-api-key)")
+    if plain:
+        token = plain[0].strip()
+        if not token:
+            raise _unauthorized("empty x-api-key header")
+        return token
+    scheme, _, token = bearer[0].partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise _unauthorized("malformed Authorization header (expected Bearer <key>)")
+    return token
 
 
 def _unauthorized(message: str) -> HTTPError:

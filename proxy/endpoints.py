@@ -1,4 +1,5 @@
-"""The OpenAI-compatible surface: which paths the gateway proxies and how each is routed.
+"""The API surface: which paths the gateway proxies and how each is routed — OpenAI's and
+Anthropic's Messages API (`/v1/messages`: coding agents such as Claude Code speak only it).
 
 Every endpoint is routed by the body's `model` (the core's model filter) with the same
 streaming, limits, auth, health, retries and metrics. The prompt plugins (normalize,
@@ -20,6 +21,7 @@ class Endpoint:
     body: str = "json"          # json | multipart (streamed through) | raw (passthrough) | none
     prompt: bool = False        # chat/completions: the prompt plugins' on_request hooks run
     responses: bool = False     # Responses API: pinned to / remembered for one upstream
+    api: str = "openai"         # the client's API: its error shape, its stream's events
 
     @property
     def replayable(self) -> bool:
@@ -28,9 +30,12 @@ class Endpoint:
 
 
 COMPLETIONS = Endpoint("/v1/completions", prompt=True)
+MESSAGES = Endpoint("/v1/messages", prompt=True, api="anthropic")
 ENDPOINTS = (
     Endpoint("/v1/chat/completions", prompt=True),
     COMPLETIONS,
+    MESSAGES,
+    Endpoint("/v1/messages/count_tokens", api="anthropic"),
     Endpoint("/v1/embeddings"),
     Endpoint("/v1/responses", responses=True),
     Endpoint("/v1/responses/{response_id}", method="GET", body="none", responses=True),
@@ -49,5 +54,7 @@ ENDPOINTS = (
 
 def passthrough(paths: list[str]) -> tuple[Endpoint, ...]:
     """`passthrough:` paths: POSTed bodies forwarded as they are (routed by a JSON `model`
-    when the body has one)."""
-    return tuple(Endpoint(p, body="raw") for p in paths)
+    when the body has one); a path the gateway serves itself (/v1/messages, once only a
+    passthrough path) is served as its own endpoint."""
+    own = {e.path for e in ENDPOINTS}
+    return tuple(Endpoint(p, body="raw") for p in paths if p not in own)

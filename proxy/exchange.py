@@ -31,6 +31,7 @@ HOP_BY_HOP = frozenset({
     "expect",      # 100-continue is between the client and us; the body is already coming
 })
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})   # replaced when the gateway traces
+CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})   # a gateway key's headers
 # answers worth another upstream when no byte has reached the client yet (nginx's default set)
 RETRY_STATUSES = frozenset({502, 503, 504})
 FIRST_BYTE_TIMEOUT = "first-byte timeout"
@@ -149,7 +150,7 @@ class Attempt:
             replaced = replaced | TRACE_HEADERS
         key = ctx.key
         if not self.gw.auth.forward:       # a key for the gateway is not one for the backend
-            replaced = replaced | {"authorization"}
+            replaced = replaced | CLIENT_KEY_HEADERS
         if key is not None and key.upstream_headers:
             replaced = replaced | key.replaced
         headers = [(k, v) for k, v in ctx.headers.items()

@@ -76,6 +76,17 @@ def check_fields(path: str, body: dict) -> None:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)):
             _bad("prompt", "must be a string or a list")
+    elif path.startswith("/v1/messages"):          # Anthropic's Messages and count_tokens
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            _bad("messages", "must be a non-empty list of message objects")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                _bad(f"messages[{i}]", "must be an object with a string 'role'")
+            if not isinstance(m.get("content"), (str, list)):
+                _bad(f"messages[{i}].content", "must be a string or a list of content blocks")
+        if path == "/v1/messages" and "max_tokens" not in body:
+            _bad("max_tokens", "is required")
     if "model" in body and not isinstance(body["model"], str):
         _bad("model", "must be a string")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):

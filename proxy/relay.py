@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from prefixgate.common import server_timing
-from prefixgate.common.errors import HTTPError
+from prefixgate.common.errors import HTTPError, shape_for
 from prefixgate.common.runtime import encode_body
 from prefixgate.proxy import rewrite, token_forward
 from prefixgate.proxy.exchange import HOP_BY_HOP, RETRY_STATUSES, Attempt, may_retry
@@ -119,6 +119,8 @@ async def _stream(gw, request, ctx, attempt: Attempt, first: bytes,
     chain = ctx.chain
     on_chunk = chain.on_chunk
     idle = up.timeouts["idle"]
+    # events counted for TPOT: OpenAI's data events, Anthropic's content deltas
+    token_mark = b'"content_block_delta"' if ctx.endpoint.api == "anthropic" else b"data:"
     keep_tail = gw.observer is not None or chain.keeps_tail or gw.limits.counts_tokens
     tail = ctx.tail = deque(maxlen=STREAM_TAIL_CHUNKS) if keep_tail else None
     try:
@@ -129,7 +131,7 @@ async def _stream(gw, request, ctx, attempt: Attempt, first: bytes,
         for hook in chain.on_first_byte:
             hook(ctx)
         while chunk:
-            ctx.chunks += chunk.count(b"data:")
+            ctx.chunks += chunk.count(token_mark)
             ctx.bytes_out += len(chunk)
             if tail is not None:
                 tail.append(chunk)
@@ -151,7 +153,7 @@ async def _stream(gw, request, ctx, attempt: Attempt, first: bytes,
                 err = HTTPError(502, f"upstream {up.name} failed mid-stream: {describe(e)}",
                                 code="upstream_error")
                 ctx.status, ctx.error = 502, err.message
-                await resp.write(err.sse_event())
+                await resp.write(err.sse_event(shape_for(ctx.path)))
                 break
         await resp.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:

@@ -27,7 +27,7 @@ CTX_KEY = (web.RequestKey("prefixgate.ctx", object) if hasattr(web, "RequestKey"
            else "prefixgate.ctx")
 # gen_ai.operation.name per endpoint (GenAI semconv's well-known values where one fits)
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-              "/v1/embeddings": "embeddings", "/v1/responses": "chat"}
+              "/v1/embeddings": "embeddings", "/v1/responses": "chat", "/v1/messages": "chat"}
 
 
 @dataclass(slots=True)

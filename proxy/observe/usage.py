@@ -52,15 +52,27 @@ def from_large_body(body: bytes) -> dict | None:
 
 
 def tokens(usage) -> tuple[int | None, int | None, int | None]:
-    """(prompt_tokens, cached_tokens, completion_tokens) of an answer's `usage`."""
+    """(prompt_tokens, cached_tokens, completion_tokens) of an answer's `usage` — OpenAI's,
+    the Responses API's, or Anthropic's (whose `input_tokens` leaves out the cache's: the
+    prompt is input + cache read + cache creation)."""
     if not isinstance(usage, dict):
         return None, None, None
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        return _anthropic_tokens(usage)
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     # the Responses API names them input/output tokens
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
     return _count(prompt), _count(cached), _count(completion)
+
+
+def _anthropic_tokens(usage: dict) -> tuple[int | None, int | None, int | None]:
+    read = _count(usage.get("cache_read_input_tokens"))
+    parts = [_count(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens",
+                                            "cache_creation_input_tokens")]
+    prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+    return prompt, read, _count(usage.get("output_tokens"))
 
 
 def error_message(answer: dict | None) -> str | None:
