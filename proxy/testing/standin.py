@@ -6,7 +6,11 @@ assistant's role and an empty content, the finish reason on the last token's eve
 usage in an event of its own only when `stream_options.include_usage` asks for it.
 
 Used by the tests, the benchmarks and `prefixgate doctor`'s self-check. Besides chat and
-completions it serves the rest of vLLM's OpenAI-compatible surface (embeddings, the Responses
+completions it serves Anthropic's Messages API as vLLM does (`/v1/messages`, whole and
+streamed, and `/v1/messages/count_tokens`: the request converted to chat by
+common/anthropic_messages.py, the chat answer converted back; its prompt is the chat
+conversion's, for the prefix-cache model too, and what it received is recorded with that
+conversion as `chat`), the rest of vLLM's OpenAI-compatible surface (embeddings, the Responses
 API, rerank, score, tokenize, audio uploads ...: proxy/testing/surface.py) and SGLang's
 /generate. With `models` or `lora` set it serves only those ids, listed in /v1/models as vLLM
 lists them (adapters with their `parent`), and answers others with vLLM's 404. It records what it
@@ -33,16 +37,22 @@ from dataclasses import dataclass, field, fields, replace
 from aiohttp import web
 from multidict import CIMultiDict
 
+from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.proxy.testing.surface import (
     EVENT_STREAM,
+    MessageEvents,
     Surface,
     answer_model,
+    anthropic_error,
     base_models,
     compact,
     json_response,
+    message_of,
+    messages_invalid,
     model_cards,
     model_not_found,
+    not_served,
     paced_tokens,
     was_reset,
 )
@@ -92,6 +102,8 @@ class StandIn(Surface):
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.completion)
         app.router.add_post("/v1/completions", self.completion)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -162,6 +174,93 @@ class StandIn(Surface):
             raise
         finally:
             self.running -= 1
+
+    # --- Anthropic's Messages API -------------------------------------------------------------
+    async def _messages_request(self, request: web.Request, counting: bool):
+        """(body, its chat conversion, behaviour) after counting and recording (the chat
+        request as `chat`), or (None, None, the Anthropic-shaped error to answer)."""
+        self._count_connection(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        b = self._behaviour(body if isinstance(body, dict) else None)
+        chat = to_chat(body) if isinstance(body, dict) else None
+        self._record(request, body, b, chat=chat)
+        if (err := messages_invalid(body, counting)) is not None:
+            return None, None, err
+        if (message := not_served(b, body.get("model"))) is not None:
+            return None, None, anthropic_error(message, 404, "NotFoundError")
+        if b.fail == "status":
+            return None, None, anthropic_error("stand-in failure", b.status,
+                                               SERVER_ERRORS.get(b.status, "InternalServerError"))
+        if b.fail == "hang":
+            await asyncio.sleep(3600)
+        return body, chat, replace(b, model=answer_model(b, body.get("model")))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/messages as vLLM serves it: the request converted to chat (its prompt,
+        what the prefix-cache model sees), the chat answer converted back, whole or streamed
+        (surface.MessageEvents); min(tokens, max_tokens) tokens, `max_tokens` the stop reason
+        when they reach it, else `end_turn`."""
+        body, chat, b = await self._messages_request(request, counting=False)
+        if body is None:
+            return b
+        if b.fail == "garbage":
+            return web.Response(body=b"\x00not json at all", content_type="text/plain")
+        tokens = max(0, min(b.tokens, body["max_tokens"]))
+        finish = "length" if tokens >= body["max_tokens"] else "stop"
+        cached = None
+        if b.prefix_cache is not None:
+            uncached, cached = self.cache.lookup(_prompt_text(chat), use=b.prefix_cache)
+            b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
+        b = replace(b, tokens=tokens)
+        usage = _usage(chat, tokens, cached)
+        if b.serial_prefill:
+            await self._prefill_in_turn(b.first_delay)
+            b = replace(b, first_delay=0.0)
+        self.running += 1
+        try:
+            if body.get("stream"):
+                return await self._stream_message(request, b, usage, finish)
+            await asyncio.sleep(b.first_delay + b.gap * max(tokens - 1, 0))
+            self.completed += 1
+            return json_response(message_of({
+                "id": MESSAGE_ID, "model": b.model, "usage": usage, "choices": [
+                    {"index": 0, "finish_reason": finish,
+                     "message": {"role": "assistant", "content": _text(tokens)}}]}))
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _stream_message(self, request, b: Behaviour, usage: dict,
+                              finish: str) -> web.StreamResponse:
+        if b.fail == "reset_after" and b.fail_after == 0:
+            request.transport.close()
+            return web.Response()
+        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
+        await resp.prepare(request)
+        writes = message_writes(b.model, b.tokens, usage, finish)
+        async for i in paced_tokens(b, request):
+            await resp.write(writes[i])
+        if was_reset(request):
+            return resp
+        await resp.write(writes[-1])
+        await resp.write_eof()
+        self.completed += 1
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/messages/count_tokens: the prompt's tokens as the chat request vLLM makes
+        of it (counted as the prefix-cache model counts them)."""
+        body, chat, b = await self._messages_request(request, counting=True)
+        if body is None:
+            return b
+        tokens = _prompt_len(chat)
+        return json_response({"input_tokens": tokens,
+                              "context_management": {"original_input_tokens": tokens}})
 
     async def _prefill_in_turn(self, seconds: float) -> None:
         """Wait for the prefills that came before, then take `seconds` for this one."""
@@ -306,6 +405,33 @@ def stream_writes(body: dict, chat: bool, model: str, tokens: int, usage: dict) 
     return writes
 
 
+MESSAGE_ID = "chatcmpl-standin"     # vLLM's message id is its chat request's
+# a failing vLLM's error types (serve/exception_handling/error_response.py: GenerationError)
+SERVER_ERRORS = {500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def message_writes(model: str, tokens: int, usage: dict, finish: str = "length") -> list[bytes]:
+    """A streamed Messages answer as the stand-in writes it: the chat chunks vLLM makes for
+    the converted request (the role's with the prompt's usage, one per token, the usage
+    chunk, [DONE]) through the Anthropic converter, one write per token — the first with
+    `message_start` and the text block's start (vLLM sends its role chunk with the first
+    token) — then the tail: the block's end, `message_delta`, `message_stop`."""
+    events = MessageEvents()
+    chunk = {"id": MESSAGE_ID, "object": "chat.completion.chunk", "created": 0, "model": model}
+    head = events.chunk({**chunk, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": 0,
+                  "total_tokens": usage["prompt_tokens"]}})
+    writes = []
+    for i in range(tokens):
+        writes.append((head if i == 0 else b"") + events.chunk({**chunk, "choices": [
+            {"index": 0, "delta": {"content": f"tok{i} "},
+             "finish_reason": finish if i == tokens - 1 else None}]}))
+    tail = (b"" if tokens else head) + events.chunk({**chunk, "choices": [], "usage": usage})
+    writes.append(tail + events.done())
+    return writes
+
+
 def streamed_bytes(body: dict, tokens: int, model: str, chat: bool = True) -> bytes:
     """Every byte of the stand-in's streamed answer to `body` (without a modelled prefix
     cache), for checkers that compare what a client received."""
@@ -335,11 +461,18 @@ def _event(data: dict) -> bytes:
 
 
 def _prompt_text(body: dict) -> str:
+    """A chat or completions request's prompt as the prefix-cache model reads it (a Messages
+    request's: its chat conversion's); an assistant's tool calls count as their JSON."""
     if "messages" in body:     # tools first: chat templates put them in the system turn
         return json.dumps(body.get("tools") or "") + "".join(
-            f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
-            if isinstance(m, dict))
+            f"{m.get('role')}\n{m.get('content')}\n"
+            + (json.dumps(m["tool_calls"]) + "\n" if m.get("tool_calls") else "")
+            for m in body["messages"] if isinstance(m, dict))
     return str(body.get("prompt", ""))
+
+
+def _text(tokens: int) -> str:
+    return "".join(f"tok{i} " for i in range(tokens))
 
 
 def _prompt_len(body: dict) -> int:

@@ -1,4 +1,6 @@
-"""The stand-in's OpenAI-compatible surface beyond chat and completions, shaped like vLLM's.
+"""The stand-in's OpenAI-compatible surface beyond chat and completions, shaped like vLLM's,
+and the Anthropic shapes of its Messages API (errors, usage, the whole answer, the stream's
+events: vllm/entrypoints/anthropic/{api_router,serving,protocol}.py).
 
 `Surface` is mixed into `StandIn` (proxy/testing/standin.py): embeddings, the Responses API
 (whole, streamed and in the background, kept in memory like vLLM's response store), rerank,
@@ -83,10 +85,15 @@ def vllm_error(message: str, status: int, err_type: str, param: str | None = Non
 def model_not_found(b, model) -> web.Response | None:
     """vLLM's _check_model: None (no model: the default one) or a served id passes; the 404
     names the base models (not the adapters) as the valid aliases."""
+    message = not_served(b, model)
+    return None if message is None else vllm_error(message, 404, "NotFoundError", "model")
+
+
+def not_served(b, model) -> str | None:
+    """Why `model` is not served (vLLM's words), None when it is (module doc: _check_model)."""
     if not strict(b) or model is None or model in served(b):
         return None
-    return vllm_error(f"The model `{model}` does not exist. Valid aliases: "
-                      f"{', '.join(base_models(b))}.", 404, "NotFoundError", "model")
+    return f"The model `{model}` does not exist. Valid aliases: {', '.join(base_models(b))}."
 
 
 def validation_error(field: str, kind: str, msg: str, value) -> web.Response:
@@ -142,6 +149,131 @@ def model_cards(b) -> list[dict]:
                for name, parent in b.lora.items()])
 
 
+# --- the Messages API: vLLM's answers in Anthropic's shape ------------------------------------
+# (vllm/entrypoints/anthropic/{api_router,serving,protocol}.py: the chat answer converted)
+STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
+
+
+def anthropic_error(message: str, status: int, err_type: str) -> web.Response:
+    """vLLM's AnthropicErrorResponse: the error's type is the one vLLM's own error names
+    (`NotFoundError`, ...: api_router.translate_error_response)."""
+    return json_response({"type": "error", "error": {"type": err_type, "message": message}},
+                         status=status)
+
+
+def messages_invalid(body, counting: bool = False) -> web.Response | None:
+    """A /v1/messages (`counting`: count_tokens) body its request model refuses, as a 400 in
+    Anthropic's shape whose message names the field as vLLM's validation does (vLLM itself
+    answers FastAPI's validation errors in OpenAI's shape, even here; the stand-in keeps
+    Anthropic's on these paths); None when it is fine."""
+    def invalid(field: str, kind: str, msg: str, value) -> web.Response:
+        shown = f"<{type(value).__name__} of {len(value)} items>" if isinstance(
+            value, (dict, list)) else value
+        detail = {"type": kind, "loc": f"body.{field}", "msg": msg, "input": shown}
+        return anthropic_error(f"1 validation error:\n  {detail}", 400,
+                               "invalid_request_error")
+    if not isinstance(body, dict):
+        return invalid("", "model_attributes_type", "Input should be a valid dictionary", body)
+    for field in ("model", "messages") + (() if counting else ("max_tokens",)):
+        if field not in body:
+            return invalid(field, "missing", "Field required", body)
+    if not isinstance(body["model"], str):
+        return invalid("model", "string_type", "Input should be a valid string", body["model"])
+    if not counting and (not isinstance(body["max_tokens"], int)
+                         or isinstance(body["max_tokens"], bool)):
+        return invalid("max_tokens", "int_type", "Input should be a valid integer",
+                       body["max_tokens"])
+    if not isinstance(body["messages"], list):
+        return invalid("messages", "list_type", "Input should be a valid list", body["messages"])
+    for i, msg in enumerate(body["messages"]):
+        if not isinstance(msg, dict):
+            return invalid(f"messages.{i}", "model_type", "Input should be a valid dictionary",
+                           msg)
+        if msg.get("role") not in ("user", "assistant", "system"):
+            return invalid(f"messages.{i}.role", "literal_error",
+                           "Input should be 'user', 'assistant' or 'system'", msg.get("role"))
+        if not isinstance(msg.get("content"), (str, list)):
+            return invalid(f"messages.{i}.content", "missing" if "content" not in msg
+                           else "list_type", "Field required" if "content" not in msg
+                           else "Input should be a valid list", msg.get("content"))
+    return None
+
+
+def anthropic_usage(usage: dict | None) -> dict:
+    """vLLM's _build_anthropic_usage: the chat usage's prompt split into what was computed
+    (`input_tokens`) and what the prefix cache held (`cache_read_input_tokens`, and
+    `cache_creation_input_tokens` where reported); the cache fields only when the chat usage
+    has them (`--enable-prompt-tokens-details`)."""
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    out = {"input_tokens": usage.get("prompt_tokens") or 0,
+           "output_tokens": usage.get("completion_tokens") or 0}
+    details = usage.get("prompt_tokens_details") or {}
+    for chat_key, key in (("created_cache_tokens", "cache_creation_input_tokens"),
+                          ("cached_tokens", "cache_read_input_tokens")):
+        if details.get(chat_key) is not None:
+            out["input_tokens"] -= details[chat_key]
+            out[key] = details[chat_key]
+    out["input_tokens"] = max(0, out["input_tokens"])
+    return out
+
+
+def message_of(answer: dict) -> dict:
+    """A whole chat answer (text) as vLLM's AnthropicMessagesResponse, None fields left out
+    (`stop_sequence`); an empty answer is one empty text block, as vLLM sends."""
+    choice = answer["choices"][0]
+    text = choice["message"].get("content")
+    return {"id": answer["id"], "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": text or ""}], "model": answer["model"],
+            "stop_reason": STOP_REASONS.get(choice.get("finish_reason")),
+            "usage": anthropic_usage(answer.get("usage"))}
+
+
+class MessageEvents:
+    """A chat stream's chunks (dicts) as the Anthropic events vLLM's message_stream_converter
+    makes of them, text answers only: `message_start` at the first chunk (the role's, its
+    usage the prompt without cache fields), a text block opened at the first text and fed
+    one `content_block_delta` per chunk, closed with `message_delta` (stop reason, the whole
+    usage) at the usage chunk, `message_stop` at [DONE] (`done`)."""
+
+    def __init__(self):
+        self.started, self.block, self.index, self.finish = False, False, 0, None
+
+    def chunk(self, chunk: dict) -> bytes:
+        if not self.started:
+            self.started = True
+            return _sse({"type": "message_start", "message": {
+                "id": chunk["id"], "type": "message", "role": "assistant", "content": [],
+                "model": chunk["model"], "stop_reason": None, "stop_sequence": None,
+                "usage": anthropic_usage(chunk.get("usage"))}})
+        if not chunk["choices"]:                   # the usage chunk: the answer is over
+            return self._stop_block() + _sse({"type": "message_delta", "delta": {
+                "stop_reason": STOP_REASONS.get(self.finish or "stop"), "stop_sequence": None},
+                "usage": anthropic_usage(chunk.get("usage"))})
+        choice = chunk["choices"][0]
+        self.finish = choice.get("finish_reason") or self.finish
+        text = (choice.get("delta") or {}).get("content")
+        if not text:
+            return b""
+        out = b""
+        if not self.block:
+            self.block = True
+            out = _sse({"type": "content_block_start",
+                        "content_block": {"type": "text", "text": ""}, "index": self.index})
+        return out + _sse({"type": "content_block_delta",
+                           "delta": {"type": "text_delta", "text": text}, "index": self.index})
+
+    def done(self) -> bytes:
+        return self._stop_block() + _sse({"type": "message_stop"})
+
+    def _stop_block(self) -> bytes:
+        if not self.block:
+            return b""
+        self.block = False
+        self.index += 1
+        return _sse({"type": "content_block_stop", "index": self.index - 1})
+
+
 # --- small helpers -----------------------------------------------------------------------------
 def _tokens_of(text: str) -> int:
     return max(1, len(text) // 4)
@@ -175,7 +307,8 @@ def _relevance(query: str, doc: str) -> float:
 
 
 def _sse(event: dict) -> bytes:
-    """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events)."""
+    """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events); an
+    Anthropic event likewise (its `type` is its event's name: serving.wrap_data_with_event)."""
     return f"event: {event['type']}\ndata: {compact(event)}\n\n".encode()
 
 
