@@ -3,6 +3,13 @@ shapes (closed-loop concurrency, open-loop Poisson arrivals).
 
 TTFT is measured where a user feels it: from just before the request is sent to the arrival
 of the first SSE event that carries content (role-only and empty events do not count).
+
+Two stream shapes are read (`api`, else the path decides): OpenAI's chat and completions
+chunks, and Anthropic's Messages events (`/v1/messages`): there content is a
+`content_block_delta` with text, tool input (`input_json_delta`) or thinking, and the usage
+comes in `message_start` and `message_delta` (the later wins field by field): the prompt is
+`input_tokens + cache_read_input_tokens + cache_creation_input_tokens`, the cached part
+`cache_read_input_tokens`, the output `output_tokens`.
 """
 from __future__ import annotations
 
@@ -17,7 +24,11 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 
 from prefixgate.common import server_timing as st
-from prefixgate.common.sse import DONE, EventSplitter, data_of
+from prefixgate.common.sse import DONE, Event, EventSplitter, parse
+
+MESSAGES_PATH = "/v1/messages"       # Anthropic's Messages API: its events, its usage
+CONTENT_DELTAS = {"text_delta": "text", "input_json_delta": "partial_json",
+                  "thinking_delta": "thinking"}
 
 
 @dataclass
@@ -32,12 +43,14 @@ class Sample:
     content_events: int = 0
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, likewise
+    # (Messages: input + cache read + cache creation tokens, and the cache read ones)
     status: int | None = None
     error: str | None = None
     server_timing: dict[str, float] | None = None   # the response's Server-Timing, {name: ms}
     upstream: str | None = None      # x-prefixgate-upstream: where a prefixgate gateway sent it
     predicted_ttft_ms: float | None = None   # the gateway's prediction there (predicted_ttft)
     text: list[str] | None = None    # the answer's content pieces, when asked for (not archived)
+    message_usage: dict | None = None  # a Messages stream's usage so far, merged (not archived)
 
     @property
     def ok(self) -> bool:
@@ -53,7 +66,7 @@ class Sample:
     def to_json(self, origin: float) -> dict:
         d = asdict(self)
         d["start"] = round(self.start - origin, 6)
-        del d["text"]
+        del d["text"], d["message_usage"]
         return d
 
 
@@ -66,10 +79,17 @@ def has_content(event: dict) -> bool:
     return False
 
 
+def api_of(url: str) -> str:
+    """The stream shape a URL answers in: "messages" (Anthropic's) or "openai"."""
+    return "messages" if url.rstrip("/").endswith(MESSAGES_PATH) else "openai"
+
+
 async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
-                      sample: Sample, keep_text: bool = False) -> Sample:
+                      sample: Sample, keep_text: bool = False, api: str | None = None) -> Sample:
     """POST `body` to `url` with stream=true and fill `sample` with what arrived when (and,
-    with `keep_text`, the answer's text in `sample.text`)."""
+    with `keep_text`, the answer's text in `sample.text`). `api`: "openai" or "messages"
+    (Anthropic's events), by default as the URL's path says (`api_of`)."""
+    on_event = _on_message_event if (api or api_of(url)) == "messages" else _on_event
     sample.text = [] if keep_text else None
     sample.start = t0 = time.monotonic()
     last = None
@@ -86,7 +106,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, head
             async for chunk in resp.content.iter_any():
                 now = time.monotonic()
                 for raw in splitter.feed(chunk):
-                    last = _on_event(data_of(raw), now, t0, last, sample)
+                    last = on_event(parse(raw), now, t0, last, sample)
             sample.latency = time.monotonic() - t0
             sample.output_tokens = sample.output_tokens or sample.content_events
             if sample.ttft is None and sample.error is None:
@@ -115,11 +135,9 @@ def route_prediction(route: str | None) -> float | None:
         return None
 
 
-def _on_event(data: bytes | None, now: float, t0: float, last: float | None, s: Sample):
-    """One event's data (common/sse.py; None: it has none) into `s`; returns the time of the
-    last content event so far."""
-    if data is None or data.strip() == DONE:
-        return last
+def _event_json(data: bytes, s: Sample) -> dict | None:
+    """An event's data as a JSON object; None (and `s.error` set) when it is not one or it is
+    an error."""
     data = data.strip()
     try:
         obj = json.loads(data)
@@ -127,9 +145,31 @@ def _on_event(data: bytes | None, now: float, t0: float, last: float | None, s: 
         obj = None
     if not isinstance(obj, dict):
         s.error = f"bad SSE event: {data[:80]!r}"
-        return last
+        return None
     if "error" in obj:
         s.error = f"error event: {error_message(data)}"
+        return None
+    return obj
+
+
+def _content_at(now: float, t0: float, last: float | None, s: Sample) -> float:
+    """A content event at `now`: the first sets TTFT, each later one adds a gap."""
+    if last is None:
+        s.ttft = now - t0
+    else:
+        s.itl.append(now - last)
+    s.content_events += 1
+    return now
+
+
+def _on_event(event: Event, now: float, t0: float, last: float | None, s: Sample):
+    """One OpenAI event (common/sse.py) into `s`; returns the time of the last content event
+    so far."""
+    data = event.data
+    if data is None or data.strip() == DONE:
+        return last
+    obj = _event_json(data, s)
+    if obj is None:
         return last
     usage = obj.get("usage")
     if usage:
@@ -141,13 +181,46 @@ def _on_event(data: bytes | None, now: float, t0: float, last: float | None, s: 
         s.text.extend(c["delta"]["content"] for c in obj.get("choices") or ()
                       if isinstance((c.get("delta") or {}).get("content"), str))
     if has_content(obj) or (last is None and finished(obj)):
-        if last is None:
-            s.ttft = now - t0
-        else:
-            s.itl.append(now - last)
-        s.content_events += 1
-        return now
+        return _content_at(now, t0, last, s)
     return last
+
+
+def _on_message_event(event: Event, now: float, t0: float, last: float | None, s: Sample):
+    """One Anthropic Messages event into `s` (module doc); returns the time of the last content
+    event so far."""
+    if event.data is None or event.event == "ping":
+        return last
+    obj = _event_json(event.data, s)
+    if obj is None:
+        return last
+    kind = obj.get("type") or event.event
+    if kind == "message_start":
+        _message_usage((obj.get("message") or {}).get("usage"), s)
+    elif kind == "message_delta":
+        _message_usage(obj.get("usage"), s)
+    elif kind == "content_block_delta":
+        delta = obj.get("delta") or {}
+        piece = delta.get(CONTENT_DELTAS.get(delta.get("type"), ""))
+        if piece:
+            if s.text is not None and delta["type"] == "text_delta":
+                s.text.append(piece)
+            return _content_at(now, t0, last, s)
+    return last
+
+
+def _message_usage(usage: dict | None, s: Sample) -> None:
+    """A Messages usage block into `s`: the fields it has replace the ones before (vLLM's
+    `message_start` has the whole prompt as `input_tokens`, its `message_delta` splits off
+    the cached part; Anthropic's own `message_delta` may carry `output_tokens` alone)."""
+    if not isinstance(usage, dict):
+        return
+    merged = s.message_usage = {**(s.message_usage or {}),
+                                **{k: v for k, v in usage.items() if isinstance(v, int)}}
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    if any(k in merged for k in parts):
+        s.prompt_tokens = sum(merged.get(k, 0) for k in parts)
+    s.cached_tokens = merged.get("cache_read_input_tokens", s.cached_tokens)
+    s.output_tokens = merged.get("output_tokens") or s.output_tokens
 
 
 def finished(event: dict) -> bool:
