@@ -16,6 +16,14 @@ another machine in production), reported against the plain gateway of the same r
 `gateway+key` (the key, no limit), `gateway+limit` (a requests- and tokens-per-minute limit
 counted in the replica) and `gateway+redis` (the same limit counted in a `redis-server` on
 loopback, started here), the last two reported against `gateway+key`: the limit's own cost.
+
+`--api messages` measures Anthropic's Messages API (`POST /v1/messages`, streamed, the
+stand-in answering as vLLM does) beside chat on `direct`, `nginx` and `gateway`, as
+`direct+messages`, `nginx+messages` and `gateway+messages` (each against its chat row), and
+prints what the gateway adds on Messages over what it adds on chat, per concurrency:
+(gateway+messages − direct+messages) − (gateway − direct), at p50.
+
+    python -m prefixgate.proxy.bench.overhead --api messages --concurrency 1 --no-nginx
 """
 from __future__ import annotations
 
@@ -68,6 +76,11 @@ http {{
 
 BODY = {"model": "standin-model", "stream": True, "max_tokens": 1,
         "messages": [{"role": "user", "content": "ping"}]}
+MESSAGES_BODY = {"model": "standin-model", "stream": True, "max_tokens": 1,
+                 "messages": [{"role": "user", "content": "ping"}]}
+# the API a target name's requests use: its path and body (`<target>+messages`: Messages)
+APIS = {"chat": ("/v1/chat/completions", BODY), "messages": ("/v1/messages", MESSAGES_BODY)}
+MESSAGES_SUFFIX = "+messages"
 API_KEY = "sk-overhead-bench-key"
 HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 LIMIT = "{requests_per_minute: 100000000, tokens_per_minute: 100000000000}"
@@ -90,8 +103,23 @@ async def one_request(session: aiohttp.ClientSession, url: str, payload: bytes) 
     return ttft
 
 
-async def run_cell(url: str, concurrency: int, requests: int, warmup: int) -> dict:
-    payload = json.dumps(BODY).encode()
+def api_of(target: str) -> str:
+    return "messages" if target.endswith(MESSAGES_SUFFIX) else "chat"
+
+
+def baseline_of(target: str) -> str | None:
+    """The row a target is compared with (None: only with nginx): a Messages row with its
+    chat row, an observed or limited gateway with the plain one (or with gateway+key)."""
+    if target.endswith(MESSAGES_SUFFIX):
+        return target[:-len(MESSAGES_SUFFIX)]
+    if target.startswith("gateway+") and target != "gateway+key":
+        return BASELINE.get(target, "gateway")
+    return None
+
+
+async def run_cell(url: str, concurrency: int, requests: int, warmup: int,
+                   body: dict = BODY) -> dict:
+    payload = json.dumps(body).encode()
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(warmup):
@@ -128,9 +156,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
-                  observe: bool = False, limits: bool = False) -> tuple[dict, list, dict]:
+                  observe: bool = False, limits: bool = False,
+                  messages: bool = False) -> tuple[dict, list, dict]:
     """Start the upstream, nginx and the gateway(s); return their URLs, processes and the pid
-    whose CPU counts as each target's proxy cost (none for direct)."""
+    whose CPU counts as each target's proxy cost (none for direct); with `messages`, also
+    `<target>+messages` for direct, nginx and gateway (the same servers, Messages' path)."""
     procs, targets, pids = [], {}, {}
     up_port = free_port("127.0.0.1")
     procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.standin",
@@ -164,6 +194,11 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
                             str(cfg), "--log-level", "warning"]))
         targets[name] = f"http://127.0.0.1:{port}"
         pids[name] = procs[-1].pid
+    if messages:
+        for name in [t for t in ("direct", "nginx", "gateway") if t in targets]:
+            targets[name + MESSAGES_SUFFIX] = targets[name]
+            if name in pids:
+                pids[name + MESSAGES_SUFFIX] = pids[name]
     return targets, procs, pids
 
 
@@ -192,7 +227,7 @@ async def measure(args) -> dict:
               file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="pg-overhead-") as tmpdir:
         targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin, args.observe,
-                                             args.limits)
+                                             args.limits, args.api == "messages")
         try:
             for url in targets.values():
                 await wait_ready(url, "/health")    # /v1/models wants the key where one is set
@@ -201,12 +236,12 @@ async def measure(args) -> dict:
                 for c in args.concurrency:
                     for name, url in targets.items():
                         cpu0 = cpu_seconds(pids[name]) if name in pids else 0.0
-                        cell = await run_cell(url + "/v1/chat/completions", c,
-                                              args.requests, args.warmup)
+                        path, body = APIS[api_of(name)]
+                        cell = await run_cell(url + path, c, args.requests, args.warmup, body)
                         cpu = cpu_seconds(pids[name]) - cpu0 if name in pids else 0.0
                         cell["proxy_cpu_us"] = 1e6 * cpu / (args.requests + args.warmup)
                         rounds[c][name].append(cell)
-                        print(f"round {r + 1} c={c:<3} {name:8} p50 {cell['p50_ms']:.3f} ms  "
+                        print(f"round {r + 1} c={c:<3} {name:16} p50 {cell['p50_ms']:.3f} ms  "
                               f"p99 {cell['p99_ms']:.3f} ms  {cell['rps']:.0f} req/s  "
                               f"proxy CPU {cell['proxy_cpu_us']:.0f} us/req",
                               file=sys.stderr, flush=True)
@@ -226,13 +261,18 @@ def report(results: dict) -> str:
         for t, m in per.items():
             d = f"{m['p50_ms'] - base['p50_ms']:+.3f}" if base else "–"
             ratio = f"{m['rps'] / base['rps']:.0%}" if base else "–"
-            observed = t.startswith("gateway+") and t != "gateway+key"
-            plain = per[BASELINE.get(t, "gateway")]
-            dg = f"{m['p50_ms'] - plain['p50_ms']:+.3f}" if observed else "–"
-            rg = f"{m['rps'] / plain['rps']:.0%}" if observed else "–"
+            plain = per.get(baseline_of(t))
+            dg = f"{m['p50_ms'] - plain['p50_ms']:+.3f}" if plain else "–"
+            rg = f"{m['rps'] / plain['rps']:.0%}" if plain else "–"
             lines.append(f"| {c} | {t} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | "
                          f"{m['rps']:.0f} | {d} | {ratio} | {dg} | {rg} | "
                          f"{m['proxy_cpu_us']:.0f} |")
+    for c, per in results.items():
+        if {"direct", "gateway", "direct+messages", "gateway+messages"} <= set(per):
+            chat = per["gateway"]["p50_ms"] - per["direct"]["p50_ms"]
+            msgs = per["gateway+messages"]["p50_ms"] - per["direct+messages"]["p50_ms"]
+            lines.append(f"\nc={c}: the gateway adds {msgs:.3f} ms p50 on Messages, "
+                         f"{chat:.3f} ms on chat: Messages costs {msgs - chat:+.3f} ms more")
     return "\n".join(lines)
 
 
@@ -251,6 +291,9 @@ def main(argv=None) -> int:
     p.add_argument("--limits", action="store_true",
                    help="also measure the gateway with an API key, with a rate limit, and with "
                         "the limit counted in Redis")
+    p.add_argument("--api", choices=["chat", "messages"], default="chat",
+                   help="messages: also measure Anthropic's Messages API (/v1/messages) on "
+                        "direct, nginx and gateway, beside chat")
     p.add_argument("--out", help="save results and settings as JSON")
     args = p.parse_args(argv)
     install_uvloop()
