@@ -7,9 +7,11 @@ blocks). Over token ids the chain is the engine's own (`prefixgate.common.block_
 router's keys equal the engine's cache keys.
 
 Without a tokenizer the chain runs over the bytes of a canonical rendering of the request
-(tools, then each message's role and content, in order). A per-request value — a timestamp,
-a request id — changes the hash of every block after it, so unless `normalize` has moved
-such values to the tail, the chain is cut at the first one (`dynamic_offset`).
+(tools, then each message's role and content, in order); a Messages request (`/v1/messages`)
+is rendered as the chat request vLLM makes of it (`prompt_body`), so its `system` leads. A
+per-request value — a timestamp, a request id — changes the hash of every block after it, so
+unless `normalize` has moved such values to the tail, the chain is cut at the first one
+(`dynamic_offset`).
 """
 from __future__ import annotations
 
@@ -17,11 +19,19 @@ import json
 
 import xxhash
 
+from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.block_hash import chain_bytes
 from prefixgate.proxy.lru import LRU
 
 # parent of a text chain's first block: never equal to a token chain's
 TEXT_ROOT = 0x7072_6566_6978_7478
+MESSAGES_PATH = "/v1/messages"      # Anthropic's Messages API
+
+
+def prompt_body(path: str, body: dict) -> dict:
+    """The body whose prompt the keys describe: a Messages request's as the chat request vLLM
+    makes of it (common/anthropic_messages.py), any other request's as it is."""
+    return to_chat(body) if path == MESSAGES_PATH else body
 
 
 def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:

@@ -26,19 +26,26 @@ import json
 import logging
 from dataclasses import dataclass
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import xxhash
 from prometheus_client import Counter
 
 from prefixgate.common import sse
+from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 from prefixgate.common.schema import ConfigError, Key, non_negative, positive
-from prefixgate.plugins.prefix_keys import prompt_token_ids
+from prefixgate.plugins.prefix_keys import MESSAGES_PATH, prompt_token_ids
 from prefixgate.proxy.config.gateway import ANY_MODEL
 from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.plugin import Plugin
 
 PREFIX_ROLES = ("system", "developer")
 WARM_KEY = "prerender.warm"      # ctx.state: the Conversation whose next turn is warmed
+# what the engine sets itself: a request's chat_template_kwargs cannot override these
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                   "documents", "chat_template", "tokenize")
 log = logging.getLogger(__name__)
 
 
@@ -106,6 +113,22 @@ class PromptCache:
         self.specials = special_strings(tokenizer)
         self.encode = gil_free_encoder(tokenizer)
         self.entries: LRU[int, Prefix] = LRU(max_entries)
+        self._merge_inline_system: bool | None = None     # probed once (Messages)
+        self._disabled_thinking_effort: str | None = None
+
+    @property
+    def merge_inline_system(self) -> bool:
+        """Does this template need its system messages first (vLLM's probe, once)?"""
+        if self._merge_inline_system is None:
+            self._merge_inline_system = needs_system_first(self.tok)
+        return self._merge_inline_system
+
+    @property
+    def disabled_thinking_effort(self) -> str:
+        """The reasoning_effort vLLM renders `thinking: {type: disabled}` with (probed once)."""
+        if self._disabled_thinking_effort is None:
+            self._disabled_thinking_effort = disabled_thinking_effort(self.tok)
+        return self._disabled_thinking_effort
 
     @staticmethod
     def prefix_len(messages: list) -> int:
@@ -197,6 +220,149 @@ class PromptCache:
         return text[:cut]
 
 
+# --- Anthropic Messages: the chat request vLLM renders of a /v1/messages request -------------
+# vLLM (entrypoints/anthropic/serving.py, 0.32) converts the request to a chat request
+# (common/anthropic_messages.to_chat), and its chat path shapes the messages before the template
+# sees them (renderers/chat_utils.py, "string" content format): text parts joined with "\n", a
+# missing content "", a tool call's JSON `arguments` parsed into a mapping (not one: {}), a tool
+# message's text parts joined with "\n"; its tools are pydantic models dumped to dicts
+# (`description` and `parameters` always there, `strict` and `defer_loading` only when set).
+EFFORTS = ("low", "medium", "high", "xhigh", "max")     # Anthropic's output_config.effort
+PROBE_MESSAGES = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+
+
+def needs_system_first(tok) -> bool:
+    """vLLM's `_should_merge_inline_system`: render [system, user, system, user] with a bare
+    jinja2 sandbox (no template globals); a template that fails (Qwen's `loop.first` guard, or
+    any raise_exception) needs inline system messages merged into the leading one. vLLM
+    probes the template it uses without tools and with `tools=[]` (a template set's
+    `tool_use` entry)."""
+    t = getattr(tok, "chat_template", None)
+    sources = [t.get("default"), t.get("tool_use", t.get("default"))] if isinstance(t, dict) \
+        else [t]
+    return any(_fails_inline_system(s) for s in sources)
+
+
+def _fails_inline_system(source) -> bool:
+    if not source:
+        return True
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.from_string(source).render(messages=PROBE_MESSAGES, add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    except Exception:          # vLLM would not start; here: the safe answer
+        return True
+    return False
+
+
+def disabled_thinking_effort(tok) -> str:
+    """vLLM's `_probe_disabled_thinking_effort`: "none", unless the template rejects it or
+    renders it as one of the efforts (it ignores it): then "low"."""
+    def render(effort: str) -> str | None:
+        try:
+            return tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                           reasoning_effort=effort,
+                                           enable_thinking=effort != "none")
+        except ValueError:
+            return None
+    none = render("none")
+    if none is None or any(render(e) == none for e in EFFORTS):
+        return "low"
+    return "none"
+
+
+def messages_chat(body: dict, cache: PromptCache) -> tuple[list, list | None, dict] | None:
+    """(messages, tools, template kwargs) as vLLM renders the Messages request `body` (None:
+    a shape vLLM would not render as text, e.g. an image)."""
+    chat = to_chat(body, cache.merge_inline_system)
+    messages = vllm_conversation(chat["messages"])
+    if messages is None:
+        return None
+    tools = vllm_tools(chat.get("tools"), body.get("tools"))
+    user = chat.get("chat_template_kwargs")
+    kwargs = template_kwargs(user)
+    effort = None
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("effort") is not None:
+        effort = output["effort"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        effort = cache.disabled_thinking_effort
+    if effort is not None:         # vLLM's build_chat_params
+        kwargs["reasoning_effort"] = effort
+        if not (isinstance(user, dict) and "enable_thinking" in user):
+            kwargs["enable_thinking"] = effort != "none"
+    return messages, tools, kwargs
+
+
+def template_kwargs(kwargs) -> dict:
+    """A request's chat_template_kwargs less what the engine sets itself."""
+    if not isinstance(kwargs, dict):
+        return {}
+    return {k: v for k, v in kwargs.items() if k not in RESERVED_KWARGS}
+
+
+def vllm_conversation(messages: list) -> list | None:
+    """Chat messages as vLLM's chat path hands them to the template (section note)."""
+    out = []
+    for m in messages:
+        text = _joined_text(m.get("content"))
+        if text is None:
+            return None
+        msg = {"role": m["role"], "content": text}
+        if m["role"] == "assistant":
+            calls = m.get("tool_calls")
+            if calls:
+                msg["tool_calls"] = [_parsed_call(c) for c in calls]
+            if m.get("reasoning") is not None:
+                msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        elif m["role"] == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        out.append(msg)
+    return out
+
+
+def _joined_text(content) -> str | None:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         for p in content):
+        return "\n".join(p.get("text") or "" for p in content)
+    return None
+
+
+def _parsed_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = {}
+    function["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": function}
+
+
+def vllm_tools(chat_tools, anthropic_tools) -> list | None:
+    """The chat tools as vLLM's ChatCompletionToolsParam dumps them: the function's `strict`
+    and `defer_loading` appear only when the Anthropic tool sets them."""
+    if not chat_tools:
+        return chat_tools
+    sources = [t for t in anthropic_tools if isinstance(t, dict)]
+    out = []
+    for tool, source in zip(chat_tools, sources):
+        function = dict(tool["function"])
+        for key in ("strict", "defer_loading"):
+            if source.get(key) is not None:
+                function[key] = source[key]
+        out.append({"type": "function", "function": function})
+    return out
+
+
 class Prerender(Plugin):
     name = "prerender"
     spec = {
@@ -269,7 +435,15 @@ class Prerender(Plugin):
         body = ctx.body
         messages = body.get("messages")
         if isinstance(messages, list):
-            r = await self._render_chat(ctx, cache, body, messages)
+            anthropic = ctx.path == MESSAGES_PATH
+            if anthropic:
+                inputs = await self._maybe_thread(len(ctx.raw_body), messages_chat, body, cache)
+                r = None if inputs is None else await self._render(ctx, cache, *inputs, True)
+            else:
+                r = await self._render(ctx, cache, [flatten(m) for m in messages],
+                                       body.get("tools"),
+                                       template_kwargs(body.get("chat_template_kwargs")),
+                                       body.get("add_generation_prompt", True) is not False)
             if r is None:
                 self.lookups.labels("error").inc()
                 return
@@ -277,7 +451,7 @@ class Prerender(Plugin):
             ctx.block_tokens = cache.block_tokens
             self.lookups.labels(r.cache).inc()
             if self.cfg["warm_next_turn"]:
-                ctx.state[WARM_KEY] = Conversation(cache, body, [])
+                ctx.state[WARM_KEY] = Conversation(cache, body, [], anthropic)
             return
         ids = prompt_token_ids(body)
         prompt = body.get("prompt")
@@ -288,21 +462,17 @@ class Prerender(Plugin):
             ctx.block_hashes = block_hash_chain(ids, cache.block_tokens)
             ctx.block_tokens = cache.block_tokens
 
-    async def _render_chat(self, ctx, cache: PromptCache, body, messages) -> Rendered | None:
+    async def _render(self, ctx, cache: PromptCache, messages: list, tools, kwargs: dict,
+                      add_generation_prompt: bool) -> Rendered | None:
         """The rendered request, or None when our rendering of it fails: the backend is the
         authority on what it accepts, so such a request goes on, only without tokens."""
-        messages = [flatten(m) for m in messages]
-        kwargs = body.get("chat_template_kwargs")
-        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
-        tools = body.get("tools")
         looked = cache.lookup(messages, tools, kwargs)
         entry = looked[2]
         size = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str)
                    else 256 for m in messages) - (len(entry.text) if entry is not None else 0)
         try:
             r = await self._maybe_thread(size, cache.render, messages, tools,
-                                         body.get("add_generation_prompt", True) is not False,
-                                         kwargs, looked)
+                                         add_generation_prompt, kwargs, looked)
         except ValueError as e:      # ChatTemplateError
             log.debug("prerender: cannot render request %s: %s", ctx.request_id, e)
             return None
@@ -335,17 +505,28 @@ class Prerender(Plugin):
             return                  # (a warm API request has no answer to warm a turn with)
 
         async def render() -> list[int] | None:
-            reply = answer_message(ctx.answer, conv.chunks)
-            if reply is None:
-                return None
             body = conv.body
-            messages = [flatten(m) for m in body["messages"]] + [reply]
-            kwargs = body.get("chat_template_kwargs")
+            if conv.anthropic:
+                reply = anthropic_answer_message(ctx.answer, conv.chunks)
+                if reply is None:
+                    return None
+                inputs = await self._maybe_thread(
+                    len(ctx.raw_body), messages_chat,
+                    {**body, "messages": [*body["messages"], reply]}, conv.cache)
+                if inputs is None:
+                    return None
+                messages, tools, kwargs = inputs
+            else:
+                reply = answer_message(ctx.answer, conv.chunks)
+                if reply is None:
+                    return None
+                messages = [flatten(m) for m in body["messages"]] + [reply]
+                tools, kwargs = body.get("tools"), template_kwargs(
+                    body.get("chat_template_kwargs"))
             try:
                 r = await self._maybe_thread(
                     sum(len(str(m.get("content") or "")) for m in messages),
-                    conv.cache.render, messages, body.get("tools"), False,
-                    dict(kwargs) if isinstance(kwargs, dict) else {})
+                    conv.cache.render, messages, tools, False, kwargs)
             except ValueError:        # the template will not end on an assistant turn
                 return None
             return r.tokens
@@ -354,10 +535,12 @@ class Prerender(Plugin):
 
 @dataclass(slots=True)
 class Conversation:
-    """A chat request's rendering inputs and its streamed answer, kept to warm its next turn."""
+    """A chat (or Messages) request's rendering inputs and its streamed answer, kept to warm
+    its next turn."""
     cache: PromptCache
     body: dict
     chunks: list[bytes]
+    anthropic: bool = False    # a /v1/messages request (its answer: Anthropic's shape)
     size: int = 0
 
 
@@ -391,3 +574,48 @@ def answer_message(answer: dict | None, chunks: list[bytes]) -> dict | None:
                 text.append(delta["content"])
     return {"role": "assistant", "content": "".join(text)} if text else None
 
+
+
+def anthropic_answer_message(answer: dict | None, chunks: list[bytes]) -> dict | None:
+    """The assistant message a Messages answer adds to the conversation, as the client sends
+    it back: the whole answer's `content` blocks, or a stream's blocks rebuilt from its events
+    (text and thinking deltas joined, a tool_use's `input` from its partial JSON). None:
+    nothing usable."""
+    if answer is not None:
+        content = answer.get("content")
+        if answer.get("type") != "message" or not isinstance(content, list):
+            return None
+        return {"role": "assistant", "content": content}
+    blocks: dict[int, dict] = {}
+    parts: dict[int, list[str]] = {}
+    for raw in sse.events_in(chunks):
+        event = sse.json_of(raw)
+        if not isinstance(event, dict):
+            continue
+        kind, index = event.get("type"), event.get("index")
+        if kind == "content_block_start" and isinstance(index, int) and \
+                isinstance(event.get("content_block"), dict):
+            blocks[index] = dict(event["content_block"])
+            parts[index] = []
+        elif kind == "content_block_delta" and index in blocks:
+            delta = event.get("delta") or {}
+            piece = delta.get({"text_delta": "text", "thinking_delta": "thinking",
+                               "input_json_delta": "partial_json"}.get(delta.get("type"), ""))
+            if isinstance(piece, str):
+                parts[index].append(piece)
+            elif delta.get("type") == "signature_delta":
+                blocks[index]["signature"] = delta.get("signature")
+    content = []
+    for index in sorted(blocks):
+        block, text = blocks[index], "".join(parts[index])
+        if block.get("type") == "text":
+            block["text"] = block.get("text", "") + text
+        elif block.get("type") == "thinking":
+            block["thinking"] = block.get("thinking", "") + text
+        elif block.get("type") == "tool_use":
+            try:
+                block["input"] = json.loads(text) if text else block.get("input") or {}
+            except ValueError:
+                return None
+        content.append(block)
+    return {"role": "assistant", "content": content} if content else None

@@ -2,10 +2,11 @@
 
 Over token ids (prerender's `ctx.tokens`, or a /v1/completions prompt given as ids) the keys
 are the engine's own block-hash chain; without them, or when a dynamic value sits inside the
-prompt where token ids cannot be cut, a chain over the canonical text rendering, cut at the
-first dynamic value (`dynamic_cut`). A prompt shorter than one block still gets a `short` key.
-The ring position mixes the request's model into a key, so two models — a base model and its
-LoRA adapter, whose KV blocks differ — never share a home.
+prompt where token ids cannot be cut, a chain over the canonical text rendering (of a Messages
+request: of the chat request vLLM makes of it), cut at the first dynamic value (`dynamic_cut`).
+A prompt shorter than one block still gets a `short` key. The ring position mixes the
+request's model into a key, so two models — a base model and its LoRA adapter, whose KV blocks
+differ — never share a home.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prefixgate.common.block_hash import block_hash_chain
 from prefixgate.plugins.prefix_keys import (
     DynamicSpans,
     byte_hash_chain,
+    prompt_body,
     prompt_token_ids,
     render,
     render_parts,
@@ -65,7 +67,8 @@ class PrefixKeys:
     def _compute(self, ctx) -> Keys:
         spans = self._dynamic_spans(ctx)
         tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
-        if tokens is not None and not (spans and _has_dynamic(ctx.body, spans)):
+        body = prompt_body(ctx.path, ctx.body) if tokens is None or spans else ctx.body
+        if tokens is not None and not (spans and _has_dynamic(body, spans)):
             bt = self.block_tokens
             if ctx.block_hashes is not None and ctx.block_tokens == bt:
                 chain = ctx.block_hashes[:self.max_blocks]     # already hashed (prerender)
@@ -75,7 +78,7 @@ class PrefixKeys:
             short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
             return Keys("tokens", chain, short, False)
         # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
-        data, cut = render(ctx.body, spans)
+        data, cut = render(body, spans)
         chain = byte_hash_chain(data, self.block_bytes, self.max_blocks)
         short = tail_hash([], data) if not chain and data else None
         return Keys("text", chain, short, cut)
