@@ -13,7 +13,9 @@ as `least_inflight`. The plugin reads its settings and builds its pieces:
                     from the same index, the prefill work queued per upstream
                     (prefill_queue.py) and each upstream's learned speed (ttft_model.py)
     llamacpp.py     `llamacpp_slots`: a llama.cpp slot per prefix family
-    sessions.py     `session:`: a session's requests to one upstream, by rendezvous hashing
+    sessions.py     `session:` (on by default): a session's requests — a session header,
+                    `prompt_cache_key`, Claude Code's `metadata.user_id` — to one upstream,
+                    by rendezvous hashing
     load_poll.py    `poll_metrics_s`: the backends' own load, which every scorer reads
                     through `Upstream.load` (all gateway replicas see it alike)
 
@@ -76,7 +78,7 @@ SPEC = {
     "prior_tokens_per_second": Key((int, float, type(None)), None, positive),
     "prior_overhead_ms": Key((int, float, type(None)), None, non_negative),
     "fit_half_life_s": Key((int, float), 15.0, positive),   # how fast old answers fade
-    "session": Key(dict, None, nested=SESSION_SPEC),   # session affinity (sessions.py)
+    "session": Key(dict, dict, nested=SESSION_SPEC),   # session affinity (sessions.py): on
     "weight": Key((int, float), 1.0, positive),
 }
 

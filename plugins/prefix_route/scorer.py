@@ -7,8 +7,9 @@ request without a key goes to the least loaded upstream (predicted_ttft: the one
 to answer first). Every decision is counted once in `prefixgate_route_decisions{policy,
 outcome}` and told to the client in the `x-prefixgate-route` header (predicted_ttft adds its
 predictions). The scorer also follows the upstream set (discovery, reloads): a policy's
-state about upstreams is rebuilt when the set changes. With `session:` (sessions.py), a
-request that names its session goes to the session's upstream first.
+state about upstreams is rebuilt when the set changes. A request that names its session or
+its cache (`session:`, sessions.py: on by default, headers, `prompt_cache_key`,
+`metadata.user_id`) goes to the session's upstream first.
 
 Every policy scores every candidate (DESIGN.md §2), so that a `weight:` mixes it with a load
 scorer: the policy's own choice gets the top score, and the gateway's pick among them alone
@@ -26,7 +27,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
-from prefixgate.plugins.prefix_route.sessions import Sessions
+from prefixgate.plugins.prefix_route.sessions import Sessions, short_hash
 
 BELOW_TOP = 1.0 - 1e-9      # a candidate's score where it would equal the policy's choice's
 SATURATED = 0.5             # a saturated upstream's score is multiplied by this
@@ -42,7 +43,8 @@ class PrefixScorer:
         self.kv_saturation = cfg["kv_saturation"]
         self.abs_threshold = cfg["balance_abs_threshold"]
         self.rel_threshold = cfg["balance_rel_threshold"]
-        self.sessions = Sessions(cfg["session"]) if cfg["session"] is not None else None
+        session = cfg["session"]
+        self.sessions = Sessions(session) if session and session["mode"] != "off" else None
         self.decisions = Counter("prefixgate_route_decisions", "Routing decisions by policy and "
                                  "outcome (chwbl: home, spill, nokey; cache_aware: cache, new, "
                                  "balance, nokey; predicted_ttft: home, spill, new, nokey; "
@@ -61,8 +63,10 @@ class PrefixScorer:
             self._members = members
             self.members_changed(members)
         keys = self.keys.of(ctx)
-        session = self.sessions.session_id(ctx) if self.sessions is not None else None
-        if session is not None:
+        found = self.sessions.session_key(ctx) if self.sessions is not None else None
+        if found is not None:
+            source, session = found
+            ctx.route_info["session_key"] = f"{source}:{short_hash(session)}"
             scores = self.for_session(ctx, keys, self.sessions.upstream(session, upstreams),
                                       upstreams)
         else:
@@ -162,5 +166,5 @@ class PrefixScorer:
         if "predicted_ttft_ms" in info:     # the chosen upstream's, then the runner-up's
             header += f"; predicted_ttft_ms={info['predicted_ttft_ms']}"
         if "session" in info:
-            header += f"; session={info['session']}"
+            header += f"; session={info['session']}; session_key={info['session_key']}"
         ctx.response_headers["x-prefixgate-route"] = header

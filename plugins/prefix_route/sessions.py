@@ -1,30 +1,50 @@
 """prefix_route `session:` — a session's requests go to one upstream, chosen with no state.
 
-An agent or a chat client names its session in a header (`x-session-id` as vLLM's router
-reads it, Dynamo's `x-dynamo-session-id`, LiteLLM's `x-litellm-session-id`), or in the body
-where configured: OpenAI's `user` field, or `metadata.<key>`. The session's upstream is the
-candidate with the highest hash of (session id, upstream name): rendezvous hashing, so every
-gateway replica picks the same one with nothing shared between them, and when an upstream
-drops out of the candidates (unhealthy, full while another has room, removed) only its own
-sessions move, each to its next choice, and they come back when it returns.
+On by default. A request names its session, or the cache it wants to reuse, in the first of:
 
+- a header: `x-session-id` (vLLM's router), `x-dynamo-session-id` (Dynamo),
+  `x-litellm-session-id` (LiteLLM), `x-claude-code-session-id` (Claude Code ≥ 2.1.86: its
+  session's UUID), `session-id` and `session_id` (Codex: the conversation id; older Codex
+  sent `session_id`);
+- the body's `prompt_cache_key` (OpenAI's field on chat, completions and Responses bodies;
+  Codex sets it to the conversation id);
+- the body's `metadata.user_id` (`metadata_key`; Anthropic's field: Claude Code sends
+  `user_<hash>_account_<uuid>_session_<uuid>`, or that as a JSON object with `session_id`:
+  the session part is the key, so it equals the header's);
+- the body's `user` (OpenAI's field), only with `user_field: true`.
+
+The session's upstream is the candidate with the highest hash of (key, upstream name):
+rendezvous hashing, so every gateway replica picks the same one with nothing shared between
+them, and when an upstream drops out of the candidates (unhealthy, full while another has
+room, removed) only its own sessions move, each to its next choice, and they come back when it
+returns.
+
+    mode: soft   the session's upstream takes the request unless it is saturated (polled KV
+                 usage >= kv_saturation) or overloaded (its load above the lightest
+                 candidate's by balance_abs_threshold and balance_rel_threshold times): then
+                 the policy routes it; predicted_ttft treats it as the request's home, kept
+                 until another upstream is predicted faster by more than the tie
     mode: hard   the session's upstream takes every request it can take
-    mode: soft   ... and lets the policy route the request instead when the upstream is
-                 saturated (polled KV usage >= kv_saturation) or overloaded (its load above
-                 the lightest candidate's by balance_abs_threshold and balance_rel_threshold
-                 times); predicted_ttft treats it as the request's home, kept until another
-                 upstream is predicted faster by more than the tie
+    mode: off    no session affinity: the policy alone routes every request
 
-A request without a session id is routed by the policy alone.
+A request naming no session is routed by the policy alone. The route header says which key a
+request was held by, as its source and a short hash (`session_key=prompt_cache_key:1f0c9a3e`),
+never the key itself.
 """
 from __future__ import annotations
+
+import json
+import re
 
 import xxhash
 
 from prefixgate.common.schema import Key, one_of
 
-DEFAULT_HEADERS = ("x-session-id", "x-dynamo-session-id", "x-litellm-session-id")
+DEFAULT_HEADERS = ("x-session-id", "x-dynamo-session-id", "x-litellm-session-id",
+                   "x-claude-code-session-id", "session-id", "session_id")
 MAX_ID_BYTES = 256          # a longer id is hashed as its first 256 bytes
+# Claude Code's metadata.user_id before it became JSON: user_<hash>_account_<uuid>_session_<uuid>
+CLAUDE_CODE_USER_ID = re.compile(r"_session_([0-9A-Za-z-]+)$")
 
 
 def _header_names(v) -> str | None:
@@ -34,38 +54,46 @@ def _header_names(v) -> str | None:
 
 
 SPEC = {
+    "mode": Key(str, "soft", one_of("soft", "hard", "off")),
     "headers": Key(list, lambda: list(DEFAULT_HEADERS), _header_names),
-    "user_field": Key(bool, False),          # the body's `user` names the session
-    "metadata_key": Key((str, type(None)), None),   # ... or body.metadata[<this>]
-    "mode": Key(str, "soft", one_of("soft", "hard")),
+    "prompt_cache_key": Key(bool, True),     # the body's prompt_cache_key names the session
+    "metadata_key": Key((str, type(None)), "user_id"),   # ... or body.metadata[<this>]
+    "user_field": Key(bool, False),          # ... or the body's `user`
 }
 
 
 class Sessions:
-    """The session id of a request and its upstream among the candidates (module doc)."""
+    """The session key of a request and its upstream among the candidates (module doc)."""
 
     def __init__(self, cfg: dict):
         self.headers = [h.lower() for h in cfg["headers"]]
-        self.user_field = cfg["user_field"]
+        self.prompt_cache_key = cfg["prompt_cache_key"]
         self.metadata_key = cfg["metadata_key"]
+        self.metadata_source = f"metadata.{self.metadata_key}"
+        self.user_field = cfg["user_field"]
         self.hard = cfg["mode"] == "hard"
         self._seeds: dict[str, int] = {}      # upstream name -> its hash seed
 
-    def session_id(self, ctx) -> bytes | None:
-        """The request's session id (None: it names none)."""
+    def session_key(self, ctx) -> tuple[str, bytes] | None:
+        """(where it was found, the key) of the request's session (None: it names none)."""
         headers = ctx.headers
-        for name in self.headers:
-            value = headers.get(name) if headers is not None else None
-            if value:
-                return value.encode()[:MAX_ID_BYTES]
+        if headers is not None:
+            for name in self.headers:
+                value = headers.get(name)
+                if value:
+                    return name, value.encode()[:MAX_ID_BYTES]
         body = ctx.body
-        if self.user_field and isinstance(body.get("user"), str) and body["user"]:
-            return body["user"].encode()[:MAX_ID_BYTES]
+        if self.prompt_cache_key:
+            value = body.get("prompt_cache_key")
+            if isinstance(value, str) and value:
+                return "prompt_cache_key", value.encode()[:MAX_ID_BYTES]
         if self.metadata_key is not None:
             metadata = body.get("metadata")
             value = metadata.get(self.metadata_key) if isinstance(metadata, dict) else None
             if isinstance(value, str) and value:
-                return value.encode()[:MAX_ID_BYTES]
+                return self.metadata_source, session_part(value).encode()[:MAX_ID_BYTES]
+        if self.user_field and isinstance(body.get("user"), str) and body["user"]:
+            return "user", body["user"].encode()[:MAX_ID_BYTES]
         return None
 
     def upstream(self, session: bytes, upstreams):
@@ -80,3 +108,22 @@ class Sessions:
             if h > best_h:
                 best, best_h = u, h
         return best
+
+
+def session_part(user_id: str) -> str:
+    """The session in Claude Code's `metadata.user_id` — `user_<hash>_account_<uuid>_session_
+    <uuid>`, or a JSON object with `session_id` — else the whole value."""
+    if user_id.startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except ValueError:
+            return user_id
+        session = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return session if isinstance(session, str) and session else user_id
+    m = CLAUDE_CODE_USER_ID.search(user_id)
+    return m.group(1) if m and user_id.startswith("user_") else user_id
+
+
+def short_hash(key: bytes) -> str:
+    """What the route header shows of a key: 8 hex digits of its hash, never the key."""
+    return f"{xxhash.xxh32_intdigest(key):08x}"
