@@ -72,9 +72,10 @@ class ModelNotFound(HTTPError):
     def __init__(self, name: str):
         super().__init__(404, f"The model `{name}` does not exist.", code=404, type="NotFoundError")
 
-    def payload(self) -> dict:
-        out = super().payload()
-        out["error"]["param"] = "model"
+    def payload(self, shape: str = "openai") -> dict:
+        out = super().payload(shape)
+        if shape == "openai":
+            out["error"]["param"] = "model"
         return out
 
 
@@ -113,7 +114,28 @@ def chat_messages(body: dict) -> list[dict]:
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise HTTPError(400, "'messages' must be a non-empty list of objects with a 'role'",
                         code="invalid_value")
-    return [flatten_content(m) for m in messages]
+    return [_arguments_as_objects(flatten_content(m)) for m in messages]
+
+
+def _arguments_as_objects(message: dict) -> dict:
+    """An assistant's tool calls with their `arguments` as objects, not JSON text, as chat
+    templates expect them (and vLLM hands them over: bad or empty JSON becomes {})."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+        return message
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or isinstance(function.get("arguments"), dict):
+            out.append(call)
+            continue
+        try:
+            args = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            args = {}
+        out.append({**call, "function": {**function,
+                                         "arguments": args if isinstance(args, dict) else {}}})
+    return {**message, "tool_calls": out}
 
 
 def flatten_content(message: dict) -> dict:
@@ -134,6 +156,79 @@ def flatten_content(message: dict) -> dict:
     return message
 
 
+# --- the Messages API (Anthropic's) ------------------------------------------------------------
+
+MESSAGE_ROLES = ("user", "assistant", "system")
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def check_messages_request(body: dict, count_tokens: bool = False) -> None:
+    """A `/v1/messages` body (or `/v1/messages/count_tokens`', which has no `max_tokens`) as
+    vLLM's AnthropicMessagesRequest takes it: `model`, `messages` and `max_tokens` required, the
+    fields both share typed; a 400 names the field. Fields it does not know (`metadata`,
+    `cache_control` on blocks, `prompt_cache_key`, ...) pass."""
+    _required(body, "model", lambda v: isinstance(v, str) and v, "a non-empty string")
+    messages = _required(body, "messages", lambda v: isinstance(v, list), "a list of messages")
+    for i, msg in enumerate(messages):
+        _check_message(msg, f"messages[{i}]")
+    if not count_tokens:
+        _required(body, "max_tokens", lambda v: is_type(v, int) and v >= 1,
+                  "a positive integer")
+        body_field(body, "stream", bool)
+        body_field(body, "stop_sequences", list, None, lambda v: all(isinstance(s, str)
+                                                                    for s in v),
+                   "a list of strings")
+        for name in ("temperature", "top_p"):
+            body_field(body, name, (int, float))
+        body_field(body, "top_k", int)
+        body_field(body, "metadata", dict)
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        _check_blocks(system, "system")
+    tools = body_field(body, "tools", list, [])
+    for i, tool in enumerate(tools):
+        if (not isinstance(tool, dict) or not isinstance(tool.get("name"), str)
+                or not isinstance(tool.get("input_schema", {}), dict)):
+            raise HTTPError(400, f"'tools[{i}]' must be an object with a 'name' (a string) and "
+                                 f"an 'input_schema' (an object), got {json_value(tool)}",
+                            code="invalid_value")
+    choice = body_field(body, "tool_choice", dict)
+    if choice is not None and (choice.get("type") not in TOOL_CHOICES or (
+            choice["type"] == "tool" and not choice.get("name"))):
+        raise HTTPError(400, "'tool_choice' must be {\"type\": \"auto\"|\"any\"|\"none\"} or "
+                             "{\"type\": \"tool\", \"name\": ...}, got "
+                             f"{json_value(choice)}", code="invalid_value")
+
+
+def _required(body: dict, name: str, check, what: str):
+    value = body.get(name)
+    if value is None:
+        raise HTTPError(400, f"'{name}' is required ({what})", code="invalid_value")
+    if not check(value):
+        raise HTTPError(400, f"'{name}' must be {what}, got {json_value(value)}",
+                        code="invalid_value")
+    return value
+
+
+def _check_message(msg, where: str) -> None:
+    if not isinstance(msg, dict):
+        raise HTTPError(400, f"'{where}' must be an object with 'role' and 'content', got "
+                             f"{json_value(msg)}", code="invalid_value")
+    if msg.get("role") not in MESSAGE_ROLES:
+        raise HTTPError(400, f"'{where}.role' must be one of {', '.join(MESSAGE_ROLES)}, got "
+                             f"{json_value(msg.get('role'))}", code="invalid_value")
+    content = msg.get("content")
+    if not isinstance(content, str):
+        _check_blocks(content, f"{where}.content")
+
+
+def _check_blocks(blocks, where: str) -> None:
+    if not isinstance(blocks, list) or not all(
+            isinstance(b, dict) and isinstance(b.get("type"), str) for b in blocks):
+        raise HTTPError(400, f"'{where}' must be a string or a list of content blocks (objects "
+                             f"with a 'type'), got {json_value(blocks)}", code="invalid_value")
+
+
 def open_final_message(text: str, final: str | None) -> str:
     """`continue_final_message`: cut the render just after the last message's content, so the
     model continues that message (as transformers' apply_chat_template does)."""
@@ -151,15 +246,19 @@ def open_final_message(text: str, final: str | None) -> str:
 # --- responses --------------------------------------------------------------------------------
 
 class ResponseFormat:
-    """OpenAI response shapes for one request."""
+    """OpenAI response shapes for one request. `continuous_usage` (vLLM's
+    `stream_options.continuous_usage_stats`) puts the usage so far on every chunk, the role
+    chunk's included; the chunk after the last (`usage_chunk`) has it whole, cached tokens
+    and all."""
 
     def __init__(self, chat: bool, model: str, return_ids: bool, prompt_ids: list[int],
-                 include_usage: bool):
+                 include_usage: bool, continuous_usage: bool = False):
         self.chat = chat
         self.model = model
         self.return_ids = return_ids
         self.prompt_ids = prompt_ids
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -173,17 +272,29 @@ class ResponseFormat:
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
+    def _usage_so_far(self, out) -> dict:
+        prompt = len(self.prompt_ids)
+        done = out.completion_tokens if out is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     def _envelope(self, choices: list, streaming: bool) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
         obj = "chat.completion.chunk" if self.chat and streaming else kind
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def chunk(self, out=None, role: bool = False) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason if out else None}
+    def chunk(self, out=None, role: bool = False, delta: dict | None = None,
+              finish_reason: str | None = None, stop_reason: str | None = None) -> dict:
+        """One streamed chunk: the role's (first), or `out`'s, whose text is the delta unless
+        `delta` is given (a chat delta: text and tool calls); `finish_reason` overrides `out`'s
+        and `stop_reason` (the stop string that ended it) is added when given, as vLLM."""
+        reason = finish_reason or (out.finish_reason if out is not None else None)
+        choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": ""} if role else (
-                {"content": out.text} if out.text else {})
+                delta if delta is not None else {"content": out.text} if out.text else {})
         else:
             choice["text"] = out.text
         if out is not None and self.return_ids:
@@ -193,6 +304,8 @@ class ResponseFormat:
             obj["prompt_token_ids"] = self.prompt_ids
         if out is not None and out.finished and not self.include_usage:
             obj["usage"] = self.usage(out)      # usage always arrives, on the last chunk
+        elif self.continuous_usage:
+            obj["usage"] = self._usage_so_far(out)
         return obj
 
     def usage_chunk(self, out) -> dict:
@@ -200,10 +313,16 @@ class ResponseFormat:
         obj["usage"] = self.usage(out)
         return obj
 
-    def whole(self, text: str, token_ids: list[int], out) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+    def whole(self, text: str | None, token_ids: list[int], out,
+              tool_calls: list[dict] | None = None, finish_reason: str | None = None,
+              stop_reason: str | None = None) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason or out.finish_reason}
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         if self.return_ids:

@@ -11,6 +11,15 @@ As vLLM: the model answers to every `--served-model-name` and reports the first 
 a request naming another model gets vLLM's 404 (a request without `model` is served);
 `/tokenize` (a prompt, or chat messages rendered with the template) and `/detokenize`.
 
+Anthropic's Messages API, as vLLM serves it: `POST /v1/messages` (whole, or streamed as
+Anthropic's events, the first with the first token) and `/v1/messages/count_tokens`; the
+request becomes the chat request vLLM makes of it (common/anthropic_messages.py) and goes
+through the chat path, the answer is made of the chat answer (common/anthropic_answers.py),
+errors on these paths come in Anthropic's shape. With `tools` in a chat request (and
+`tool_choice` not "none") the model's Hermes-format tool calls (backend/tool_calls.py) are the
+answer's `tool_calls` (Messages: `tool_use` blocks); a matched stop string is the choice's
+`stop_reason` (Messages: `stop_sequence`).
+
 Extensions, as vLLM names them: `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, and
 `return_token_ids` (adds `prompt_token_ids` and per-choice `token_ids` to the response).
 
@@ -38,7 +47,7 @@ import json
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -52,6 +61,7 @@ from prefixgate.backend.openai import (
     ResponseFormat,
     body_field,
     chat_messages,
+    check_messages_request,
     check_model,
     completion_prompt,
     json_body,
@@ -59,7 +69,9 @@ from prefixgate.backend.openai import (
     sampling_params,
 )
 from prefixgate.backend.timing import RequestTiming
-from prefixgate.common import server_timing, tracing
+from prefixgate.backend.tool_calls import ToolCallStream, parse_tool_calls
+from prefixgate.common import anthropic_answers, server_timing, tracing
+from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.routes import add_routes
 from prefixgate.common.runtime import json_errors_middleware, start_app
@@ -91,12 +103,15 @@ class EngineServer:
         self.model_name = self.served_model_names[0]
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
+        self._merge_system: bool | None = None     # see merge_inline_system()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
         add_routes(app, {
             "POST /v1/chat/completions": self.chat,
             "POST /v1/completions": self.completions,
+            "POST /v1/messages": self.messages,
+            "POST /v1/messages/count_tokens": self.count_tokens,
             "POST /tokenize": self.tokenize,
             "POST /detokenize": self.detokenize,
             "GET /v1/models": self.models,
@@ -139,6 +154,49 @@ class EngineServer:
             text = self._render_chat(body)
             ids = await self._encode(text, add_special_tokens=False)
             return await self._generate(request, body, ids, timing, chat=True)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API, served through the chat path as vLLM serves it: the
+        request becomes the chat request vLLM makes of it (common/anthropic_messages.py), the
+        chat answer the Messages answer (common/anthropic_answers.py)."""
+        self._refuse_until_ready()
+        with RequestTiming(self.tracer, request.headers) as timing:
+            chat, ids = await self._messages_prompt(request, count_tokens=False)
+            return await self._generate(request, chat, ids, timing, chat=True, anthropic=True)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """`/v1/messages/count_tokens`: the prompt tokens /v1/messages would compute."""
+        _, ids = await self._messages_prompt(request, count_tokens=True)
+        return web.json_response(anthropic_answers.count_tokens_answer(len(ids)))
+
+    async def _messages_prompt(self, request: web.Request,
+                               count_tokens: bool) -> tuple[dict, list[int]]:
+        """A Messages request's chat request and prompt token ids."""
+        body = await json_body(request)
+        check_messages_request(body, count_tokens)
+        check_model(body, self.served_model_names)
+        chat = to_chat(body, self.merge_inline_system())
+        text = self._render_chat(chat, template_kwargs=body_field(chat, "chat_template_kwargs",
+                                                                  dict, {}))
+        return chat, await self._encode(text, add_special_tokens=False)
+
+    def merge_inline_system(self) -> bool:
+        """Whether the chat template needs the system message first, so a Messages request's
+        inline system messages join the leading one: as vLLM, render [system, user, system,
+        user] and see if the template raises (no template: yes). Probed once."""
+        if self._merge_system is None:
+            probe = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+                     {"role": "system", "content": "t"}, {"role": "user", "content": "t"}]
+            try:
+                self.core.tokenizer.apply_chat_template(probe, add_generation_prompt=False)
+                self._merge_system = False
+            except Exception:
+                self._merge_system = True
+            if self._merge_system:
+                log.warning("the chat template needs the system message first: inline system "
+                            "messages of /v1/messages requests join the leading one, which "
+                            "changes the prompt's prefix each time one is added")
+        return self._merge_system
 
     def _render_chat(self, body: dict, add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
@@ -230,8 +288,8 @@ class EngineServer:
             return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _generate(self, request, body, ids, timing: RequestTiming,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, request, body, ids, timing: RequestTiming, chat: bool,
+                        anthropic: bool = False) -> web.StreamResponse:
         limit = self.core.max_model_len
         if len(ids) >= limit:
             raise HTTPError(400, f"This model's maximum context length is {limit} tokens, but the "
@@ -244,7 +302,9 @@ class EngineServer:
         opts = body_field(body, "stream_options", dict, {})
         return_ids = bool(body_field(body, "return_token_ids", bool, False))
         fmt = ResponseFormat(chat, self.model_name, return_ids, ids,
-                             bool(opts.get("include_usage")))
+                             bool(opts.get("include_usage")),
+                             bool(opts.get("continuous_usage_stats")))
+        turn = _Turn.of(body, params.stop, anthropic) if chat else _Turn()
         timing.describe(request.headers.get("X-Request-Id") or fmt.id, self.model_name, params)
         kv = self._kv_request(body, stream)
         hold, headers = None, {}
@@ -259,8 +319,8 @@ class EngineServer:
             out_stream = self.engine.generate(ids, params, kv_hold=hold)
         try:
             if stream:
-                return await self._stream(request, out_stream, fmt, timing, headers)
-            return await self._whole(out_stream, fmt, timing, headers, hold)
+                return await self._stream(request, out_stream, fmt, timing, headers, turn)
+            return await self._whole(out_stream, fmt, timing, headers, turn, hold)
         finally:
             out_stream.close()          # aborts the sequence unless it finished
             if hold is not None:
@@ -287,46 +347,119 @@ class EngineServer:
                                  "a decode engine", code="kv_role")
         return kv
 
+    def _matched_stop(self, turn: _Turn, out, token_ids: list[int], sent: int) -> str | None:
+        """The stop string that ended the answer (None: none did), as vLLM's `stop_reason`: the
+        engine cuts the text before it, so it is where the sent text ends in the decoded ids."""
+        if not turn.stop or out is None or out.finish_reason != "stop":
+            return None
+        text = self.core.tokenizer.decode(token_ids)
+        return next((s for s in turn.stop if text.startswith(s, sent)), None)
+
     async def _whole(self, outputs, fmt: ResponseFormat, timing: RequestTiming, headers: dict,
-                     hold: str | None = None) -> web.Response:
+                     turn: _Turn, hold: str | None = None) -> web.Response:
         text, token_ids, last = [], [], None
         async for out in outputs:
             timing.output(out)
             text.append(out.text)
             token_ids.extend(out.token_ids)
             last = out
-        obj = fmt.whole("".join(text), token_ids, last)
+        text = "".join(text)
+        stop = self._matched_stop(turn, last, token_ids, len(text))
+        content, calls = parse_tool_calls(text) if turn.tools else (text, [])
+        obj = fmt.whole(content, token_ids, last, calls, turn.finish_reason(last, calls), stop)
         if hold is not None:
             obj["kv_transfer_params"] = self.kv.hand_over(hold)
             if obj["kv_transfer_params"] is None:
                 raise HTTPError(500, "the engine holds no KV for this request", code="engine_error")
+        if turn.anthropic:
+            obj = anthropic_answers.message_of(obj)
         return web.json_response(text=json.dumps(obj),
                                  headers={server_timing.HEADER: timing.header(), **headers})
 
     async def _stream(self, request, outputs, fmt: ResponseFormat, timing: RequestTiming,
-                      headers: dict) -> web.StreamResponse:
+                      headers: dict, turn: _Turn) -> web.StreamResponse:
         resp = None
+        messages = anthropic_answers.MessageStream() if turn.anthropic else None
+        encode = messages.chunk if messages is not None else fmt.sse
+        calls = ToolCallStream() if turn.tools else None
+        token_ids, sent = [], 0         # for the stop string, when the request has some
         try:
             async for out in outputs:
                 timing.output(out)
-                event = fmt.sse(fmt.chunk(out=out))
+                head = b""
                 if resp is None:    # headers go out with the first token, so early errors stay JSON
                     if fmt.chat:
-                        event = fmt.sse(fmt.chunk(role=True)) + event
+                        head = encode(fmt.chunk(role=True))
                     resp = web.StreamResponse(headers={
                         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                         server_timing.HEADER: timing.header(), **headers})
                     await resp.prepare(request)
-                await resp.write(event)
+                if turn.stop:
+                    token_ids += out.token_ids
+                    sent += len(out.text)
+                delta, reason, stop = None, None, None
+                if calls is not None:
+                    delta = self._tool_delta(calls, out)
+                if out.finished:
+                    reason = turn.finish_reason(out, calls.calls if calls is not None else [])
+                    stop = self._matched_stop(turn, out, token_ids, sent)
+                event = head + encode(fmt.chunk(out=out, delta=delta, finish_reason=reason,
+                                                stop_reason=stop))
+                if event:
+                    await resp.write(event)
                 if out.finished and fmt.include_usage:
-                    await resp.write(fmt.sse(fmt.usage_chunk(out)))
+                    await resp.write(encode(fmt.usage_chunk(out)))
         except RuntimeError as e:           # the engine failed mid-request
             if resp is None:
                 raise HTTPError(500, str(e), code="engine_error") from None
-            await resp.write(HTTPError(500, str(e), code="engine_error").sse_event())
-        await resp.write(b"data: [DONE]\n\n")
+            error = HTTPError(500, str(e), code="engine_error")
+            if messages is not None:        # Anthropic's stream ends at its error event
+                await resp.write(error.sse_event(shape="anthropic"))
+                await resp.write_eof()
+                return resp
+            await resp.write(error.sse_event())
+        await resp.write(messages.done() if messages is not None else b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _tool_delta(calls: ToolCallStream, out) -> dict:
+        """`out`'s chat delta with the request's tools: text before the first call, and each
+        call once it has closed."""
+        before = len(calls.calls)
+        text, new = calls.feed(out.text)
+        if out.finished:
+            tail, more = calls.finish()
+            text, new = text + tail, new + more
+        delta = {"content": text} if text else {}
+        if new:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(new, before)]
+        return delta
+
+
+@dataclass
+class _Turn:
+    """What a chat answer is made of beyond the model's text: tool calls parsed from it when
+    the request has tools (and tool_choice is not "none"), the stop string that ended it, the
+    Messages API's shape."""
+    tools: bool = False
+    named_tool: bool = False            # tool_choice names a function: finish_reason stays "stop"
+    stop: list[str] = field(default_factory=list)
+    anthropic: bool = False
+
+    @classmethod
+    def of(cls, body: dict, stop: list[str], anthropic: bool) -> _Turn:
+        choice = body.get("tool_choice")
+        tools = isinstance(body.get("tools"), list) and bool(body["tools"]) and choice != "none"
+        return cls(tools, isinstance(choice, dict), list(stop), anthropic)
+
+    def finish_reason(self, out, calls: list[dict]) -> str | None:
+        """vLLM's: "tool_calls" when the model called tools and stopped by itself."""
+        if out is None:
+            return None
+        if calls and out.finish_reason == "stop" and not self.named_tool:
+            return "tool_calls"
+        return out.finish_reason
 
 
 # 404/405 from the router come out in OpenAI's shape too; a client that hung up is not an error
