@@ -359,6 +359,8 @@ def vllm_tools(chat_tools, anthropic_tools) -> list | None:
         for key in ("strict", "defer_loading"):
             if source.get(key) is not None:
                 function[key] = source[key]
+            else:
+                function.pop(key, None)
         out.append({"type": "function", "function": function})
     return out
 
