@@ -6,7 +6,9 @@ the engine's prefix cache will see (`ctx.tokens`, `ctx.block_hashes`, `ctx.block
 The tokenizer is the request's model's: `models.<name>.tokenizer` for `ctx.model`, else the
 `*` entry's (or the single `model.tokenizer`), else — for a request naming no model — the only
 entry there is (`proxy.config.model_settings`). One tokenizer and prefix cache per entry, all
-loaded at start-up; a request whose model has no tokenizer passes through untouched.
+loaded at start-up; a request whose model has no tokenizer passes through untouched. A
+Messages request (`/v1/messages`) is rendered as vLLM renders it: the chat request vLLM makes
+of it, shaped as vLLM's chat path hands it to the template (`messages_chat`).
 
 Tokenizing a 10k-token system prompt on every request would cost milliseconds, so the static
 prefix — the leading system messages and the tools — is rendered and tokenized once and
