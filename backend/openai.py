@@ -200,6 +200,18 @@ def check_messages_request(body: dict, count_tokens: bool = False) -> None:
                              f"{json_value(choice)}", code="invalid_value")
 
 
+def vllm_text_content(message: dict) -> dict:
+    """A message as vLLM's chat path hands it to a template that takes text content (the
+    Messages path renders this way): text parts joined with newlines, no content as ""."""
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         for p in content):
+        return {**message, "content": "\n".join(str(p.get("text") or "") for p in content)}
+    return message
+
+
 def _required(body: dict, name: str, check, what: str):
     value = body.get(name)
     if value is None:

@@ -67,6 +67,7 @@ from prefixgate.backend.openai import (
     json_body,
     open_final_message,
     sampling_params,
+    vllm_text_content,
 )
 from prefixgate.backend.timing import RequestTiming
 from prefixgate.backend.tool_calls import ToolCallStream, parse_tool_calls
@@ -176,6 +177,7 @@ class EngineServer:
         check_messages_request(body, count_tokens)
         check_model(body, self.served_model_names)
         chat = to_chat(body, self.merge_inline_system())
+        chat["messages"] = [vllm_text_content(m) for m in chat["messages"]]
         text = self._render_chat(chat, template_kwargs=body_field(chat, "chat_template_kwargs",
                                                                   dict, {}))
         return chat, await self._encode(text, add_special_tokens=False)

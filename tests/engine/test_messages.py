@@ -87,6 +87,15 @@ async def test_usage_counts_cache_reads_and_count_tokens_is_the_prompt(client):
     assert second.content[0].text == first.content[0].text
 
 
+async def test_text_blocks_join_with_newlines_as_vllm_renders_them(client):
+    blocks = [{"type": "text", "text": "<system-reminder>Be careful.</system-reminder>"},
+              {"type": "text", "text": "Fix the bug."}]
+    counts = [(await client.messages.count_tokens(model="tiny", messages=[
+        {"role": "user", "content": content}])).input_tokens
+        for content in (blocks, "\n".join(b["text"] for b in blocks))]
+    assert counts[0] == counts[1]
+
+
 async def test_count_tokens_answers_as_vllm(server):
     body = {"model": "tiny", "messages": user("Hello")}
     async with aiohttp.ClientSession() as s:
@@ -202,6 +211,28 @@ async def test_a_stop_sequence_is_reported(client):
                                       stop_sequences=[stop], extra_body=GREEDY) as stream:
         final = await stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+@pytest.mark.parametrize("template,merge", [
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", False),
+    ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+     "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+     "{{ m.content }}{% endfor %}", True),
+    (None, True),
+])
+def test_inline_system_messages_merge_when_the_template_needs_system_first(model_dir, template,
+                                                                          merge):
+    """As vLLM probes it: render [system, user, system, user]; a template that raises (or no
+    template) merges them into the leading system message."""
+    from types import SimpleNamespace
+
+    from prefixgate.backend.server import EngineServer
+    from prefixgate.common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    tok.chat_template = template
+    probe = SimpleNamespace(core=SimpleNamespace(tokenizer=tok), _merge_system=None)
+    assert EngineServer.merge_inline_system(probe) is merge
 
 
 # --- errors ----------------------------------------------------------------------------------

@@ -96,3 +96,19 @@ def test_text_goes_out_at_once_but_a_possible_tag_is_held_back():
     text, new = stream.feed("</tool_call>")             # the call goes out when it closes
     assert text == "" and calls_of(new) == [("f", {})] and stream.called
     assert stream.finish() == ("", [])
+
+
+def test_a_history_s_tool_call_arguments_reach_the_template_as_objects():
+    """As vLLM hands them over (chat templates index and dump them): bad or empty JSON is {}."""
+    from prefixgate.backend.openai import chat_messages
+
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+             {"id": "c", "type": "function", "function": {"name": "h", "arguments": ""}},
+             {"id": "d", "type": "function", "function": {"name": "k", "arguments": {"y": 2}}}]
+    [user, assistant] = chat_messages({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}]})
+    assert user == {"role": "user", "content": "hi"}
+    assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [
+        {"x": 1}, {}, {}, {"y": 2}]
+    assert calls[0]["function"]["arguments"] == '{"x": 1}'         # the request is left as it was
