@@ -6,13 +6,15 @@ path. Facts from vLLM's conversion, kept here:
 - `system` (a string or text blocks, joined with no separator) is the first system message;
   a text block starting with `x-anthropic-billing-header` (Claude Code's per-request
   attribution, a hash that would defeat every prefix cache) is dropped, there and in inline
-  system messages;
+  system messages (a top-level system string is kept whole, as vLLM keeps it);
 - a message's text blocks become its content (one block: a string; several: text parts);
   `tool_use` blocks the assistant's `tool_calls` (arguments: `json.dumps(input)`); a user's
-  `tool_result` a `tool` message (its text blocks joined with newlines) placed before the
-  rest of that user message, which is dropped when nothing else is left; `thinking` the
-  assistant's `reasoning`; an assistant's `tool_result` the text `Tool result: ...`;
-- `tools` become functions (`input_schema` is `parameters`), `tool_choice` auto / any ->
+  `tool_result` a `tool` message (its text blocks joined with newlines; its images a user
+  message after it, its tool references a `tool` message) placed before the rest of that user
+  message, which is dropped when nothing else is left; `thinking` the assistant's
+  `reasoning`; an assistant's `tool_result` the text `Tool result: ...`;
+- `tools` become functions (`input_schema` is `parameters`, "object" typed when it has no
+  type; `strict`, `defer_loading` when set), `tool_choice` auto / any ->
   required / none / a named function; `stop_sequences` is `stop`; a stream asks for usage.
 
 Inline system messages stay where they are unless the chat template needs system first
@@ -54,7 +56,10 @@ def to_chat(body: dict, merge_inline_system: bool = False) -> dict:
 
 
 def _system(body: dict, merge_inline_system: bool) -> list[dict]:
-    parts = [_system_text(body.get("system"))]
+    system = body.get("system")
+    # vLLM drops the billing header from system blocks and inline system messages, not from a
+    # top-level system string
+    parts = [system if isinstance(system, str) else _system_text(system)]
     if merge_inline_system:
         parts += [_system_text(m.get("content")) for m in body.get("messages") or ()
                   if isinstance(m, dict) and m.get("role") == "system"]
@@ -105,8 +110,7 @@ def _blocks(role, blocks: list, chat: dict, out: list[dict]) -> None:
                           "function": {"name": block.get("name") or "",
                                        "arguments": json.dumps(block.get("input") or {})}})
         elif kind == "tool_result" and role == "user":
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
-                        "content": _tool_result_text(block.get("content"))})
+            _tool_result(block, out)
         elif kind == "tool_result":
             text = str(block.get("content")) if block.get("content") else ""
             parts.append({"type": "text", "text": f"Tool result: {text}"})
@@ -120,13 +124,23 @@ def _blocks(role, blocks: list, chat: dict, out: list[dict]) -> None:
         chat["content"] = parts
 
 
-def _tool_result_text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(item.get("text", "") for item in content
-                         if isinstance(item, dict) and item.get("type") == "text")
-    return ""
+def _tool_result(block: dict, out: list[dict]) -> None:
+    """A user's tool_result: a `tool` message of its text blocks joined with newlines, then
+    (as vLLM) a user message of its images and a `tool` message of its tool references."""
+    call_id, content = block.get("tool_use_id") or "", block.get("content")
+    items = [i for i in content if isinstance(i, dict)] if isinstance(content, list) else []
+    text = content if isinstance(content, str) else "\n".join(
+        i.get("text", "") for i in items if i.get("type") == "text")
+    out.append({"role": "tool", "tool_call_id": call_id, "content": text or ""})
+    images = [_image_url(i.get("source") or {}) for i in items if i.get("type") == "image"]
+    images = [url for url in images if url]
+    if images:
+        out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}
+                                                for url in images]})
+    refs = [i.get("tool_name") or i.get("name") for i in items if i.get("type") == "tool_reference"]
+    refs = [{"type": "tool_reference", "name": name} for name in refs if name]
+    if refs:
+        out.append({"role": "tool", "tool_call_id": call_id, "content": refs})
 
 
 def _image_url(source: dict) -> str:
@@ -154,7 +168,18 @@ def tools_of(body: dict) -> list[dict] | None:
     tools = body.get("tools")
     if not isinstance(tools, list):
         return None
-    return [{"type": "function",
-             "function": {"name": t.get("name"), "description": t.get("description"),
-                          "parameters": t.get("input_schema")}}
-            for t in tools if isinstance(t, dict)]
+    return [_tool(t) for t in tools if isinstance(t, dict)]
+
+
+def _tool(tool: dict) -> dict:
+    """One tool as vLLM hands it on: `input_schema` is `parameters` (typed "object" when it
+    says no type), `strict` and `defer_loading` only when set."""
+    schema = tool.get("input_schema")
+    if isinstance(schema, dict) and "type" not in schema:
+        schema = {**schema, "type": "object"}
+    function = {"name": tool.get("name"), "description": tool.get("description"),
+                "parameters": schema}
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}

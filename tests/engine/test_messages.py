@@ -23,6 +23,7 @@ from prefixgate.common.anthropic_answers import (
     stop_reason_of,
     usage_of,
 )
+from prefixgate.common.anthropic_messages import to_chat
 from tests.helpers import ServerThread
 
 MAX_LEN = 1024
@@ -544,3 +545,40 @@ def test_a_stream_without_a_usage_chunk_still_ends_with_message_delta():
     assert [e["type"] for e in events][-3:] == ["content_block_stop", "message_delta",
                                                 "message_stop"]
     assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+# --- the request side: to_chat's conversions checked against vLLM's ----------------------------
+
+def test_a_top_level_system_string_is_kept_whole_as_vllm_keeps_it():
+    header = "x-anthropic-billing-header: cch=1;"
+    assert to_chat({"system": header + " Be brief.", "messages": []})["messages"] == [
+        {"role": "system", "content": header + " Be brief."}]
+    assert to_chat({"system": [{"type": "text", "text": header}, {"type": "text", "text": "B"}],
+                    "messages": []})["messages"] == [{"role": "system", "content": "B"}]
+
+
+def test_tools_as_vllm_hands_them_on():
+    chat = to_chat({"messages": [], "tools": [
+        {"name": "a", "input_schema": {"properties": {}}, "strict": True},
+        {"name": "b", "description": "B", "input_schema": {"type": "object"},
+         "defer_loading": False}]})
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "a", "description": None, "parameters": {
+            "properties": {}, "type": "object"}, "strict": True}},
+        {"type": "function", "function": {"name": "b", "description": "B", "parameters": {
+            "type": "object"}, "defer_loading": False}}]
+    assert chat["tool_choice"] == "auto"
+
+
+def test_a_tool_result_s_images_and_references_follow_its_tool_message():
+    chat = to_chat({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "one"}, {"type": "text", "text": "two"},
+            {"type": "image", "source": {"type": "url", "url": "http://x/i.png"}},
+            {"type": "tool_reference", "tool_name": "grep"}]}]}]})
+    assert chat["messages"] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "one\ntwo"},
+        {"role": "user", "content": [{"type": "image_url",
+                                      "image_url": {"url": "http://x/i.png"}}]},
+        {"role": "tool", "tool_call_id": "t1",
+         "content": [{"type": "tool_reference", "name": "grep"}]}]
