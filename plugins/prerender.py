@@ -227,8 +227,8 @@ class PromptCache:
 # (common/anthropic_messages.to_chat), and its chat path shapes the messages before the template
 # sees them (renderers/chat_utils.py, "string" content format): text parts joined with "\n", a
 # missing content "", a tool call's JSON `arguments` parsed into a mapping (not one: {}), a tool
-# message's text parts joined with "\n"; its tools are pydantic models dumped to dicts
-# (`description` and `parameters` always there, `strict` and `defer_loading` only when set).
+# message's text parts joined with "\n"; the tools go as to_chat makes them (vLLM's dump of
+# its tool models).
 EFFORTS = ("low", "medium", "high", "xhigh", "max")     # Anthropic's output_config.effort
 PROBE_MESSAGES = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
 
@@ -282,7 +282,7 @@ def messages_chat(body: dict, cache: PromptCache) -> tuple[list, list | None, di
     messages = vllm_conversation(chat["messages"])
     if messages is None:
         return None
-    tools = vllm_tools(chat.get("tools"), body.get("tools"))
+    tools = chat.get("tools")
     user = chat.get("chat_template_kwargs")
     kwargs = template_kwargs(user)
     effort = None
@@ -347,24 +347,6 @@ def _parsed_call(call: dict) -> dict:
             arguments = {}
     function["arguments"] = arguments if isinstance(arguments, dict) else {}
     return {**call, "function": function}
-
-
-def vllm_tools(chat_tools, anthropic_tools) -> list | None:
-    """The chat tools as vLLM's ChatCompletionToolsParam dumps them: the function's `strict`
-    and `defer_loading` appear only when the Anthropic tool sets them."""
-    if not chat_tools:
-        return chat_tools
-    sources = [t for t in anthropic_tools if isinstance(t, dict)]
-    out = []
-    for tool, source in zip(chat_tools, sources):
-        function = dict(tool["function"])
-        for key in ("strict", "defer_loading"):
-            if source.get(key) is not None:
-                function[key] = source[key]
-            else:
-                function.pop(key, None)
-        out.append({"type": "function", "function": function})
-    return out
 
 
 class Prerender(Plugin):

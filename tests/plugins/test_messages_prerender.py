@@ -173,8 +173,7 @@ async def test_token_ids_equal_the_bundled_engines_chat_render(engine, qwen_mode
                                          {f"{__name__}:Recorder": {}},
                                          {"prefix_route": {"block_tokens": 16}}]})
     Recorder.seen.clear()
-    # (a tool's `strict`, which vLLM passes to the template, is left out: to_chat drops it)
-    body = {**BODY, "tools": [{k: v for k, v in t.items() if k != "strict"} for t in TOOLS]}
+    body = BODY
     chat = to_chat(body)
     async with aiohttp.ClientSession() as client:
         async with client.post(gw.url + "/v1/messages", json=body) as r:
