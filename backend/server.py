@@ -72,7 +72,7 @@ from prefixgate.backend.openai import (
 from prefixgate.backend.timing import RequestTiming
 from prefixgate.backend.tool_calls import ToolCallStream, parse_tool_calls
 from prefixgate.common import anthropic_answers, server_timing, tracing
-from prefixgate.common.anthropic_messages import to_chat
+from prefixgate.common.anthropic_messages import needs_system_first, to_chat
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.routes import add_routes
 from prefixgate.common.runtime import json_errors_middleware, start_app
@@ -184,16 +184,9 @@ class EngineServer:
 
     def merge_inline_system(self) -> bool:
         """Whether the chat template needs the system message first, so a Messages request's
-        inline system messages join the leading one: as vLLM, render [system, user, system,
-        user] and see if the template raises (no template: yes). Probed once."""
+        inline system messages join the leading one (probed once, as vLLM probes it)."""
         if self._merge_system is None:
-            probe = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
-                     {"role": "system", "content": "t"}, {"role": "user", "content": "t"}]
-            try:
-                self.core.tokenizer.apply_chat_template(probe, add_generation_prompt=False)
-                self._merge_system = False
-            except Exception:
-                self._merge_system = True
+            self._merge_system = needs_system_first(self.core.tokenizer.chat_template)
             if self._merge_system:
                 log.warning("the chat template needs the system message first: inline system "
                             "messages of /v1/messages requests join the leading one, which "

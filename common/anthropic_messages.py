@@ -18,7 +18,8 @@ path. Facts from vLLM's conversion, kept here:
   required / none / a named function; `stop_sequences` is `stop`; a stream asks for usage.
 
 Inline system messages stay where they are unless the chat template needs system first
-(`merge_inline_system`: vLLM probes the template; they then join the leading system text).
+(`merge_inline_system`: vLLM probes the template, as `needs_system_first` does; they then join
+the leading system text).
 """
 from __future__ import annotations
 
@@ -183,3 +184,35 @@ def _tool(tool: dict) -> dict:
         if tool.get(key) is not None:
             function[key] = tool[key]
     return {"type": "function", "function": function}
+
+
+PROBE_MESSAGES = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+
+
+def needs_system_first(chat_template) -> bool:
+    """`merge_inline_system` for a model's chat template (a source, a {name: source} set, or
+    None), probed as vLLM's `_should_merge_inline_system` probes it: render [system, user,
+    system, user] in a bare jinja2 sandbox (no template globals, so a template that calls
+    raise_exception, strftime_now, ... fails too) with the template used without tools and
+    with `tools=[]` (a set's `tool_use` entry); any failure, or no template, means yes."""
+    if isinstance(chat_template, dict):
+        default = chat_template.get("default")
+        sources = [default, chat_template.get("tool_use", default)]
+    else:
+        sources = [chat_template]
+    return any(_fails_inline_system(source) for source in sources)
+
+
+def _fails_inline_system(source) -> bool:
+    import jinja2.ext
+    import jinja2.sandbox
+
+    if not source:
+        return True
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.from_string(source).render(messages=PROBE_MESSAGES, add_generation_prompt=False)
+    except Exception:       # jinja2.TemplateError as vLLM catches; anything else: vLLM fails
+        return True
+    return False

@@ -219,12 +219,16 @@ async def test_a_stop_sequence_is_reported(client):
     ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
      "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
      "{{ m.content }}{% endfor %}", True),
+    ("{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}", True),
+    ({"default": "{% for m in messages %}{{ m.content }}{% endfor %}",
+      "tool_use": "{{ raise_exception('system first') }}"}, True),
     (None, True),
 ])
 def test_inline_system_messages_merge_when_the_template_needs_system_first(model_dir, template,
                                                                           merge):
-    """As vLLM probes it: render [system, user, system, user]; a template that raises (or no
-    template) merges them into the leading system message."""
+    """As vLLM probes it: render [system, user, system, user] in a bare sandbox, with the
+    template used with and without tools; one that fails (calling a template global such as
+    strftime_now fails too), or no template, merges them into the leading system message."""
     from types import SimpleNamespace
 
     from prefixgate.backend.server import EngineServer
