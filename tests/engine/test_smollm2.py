@@ -69,14 +69,18 @@ def prompts(engine) -> list[list[int]]:
 def reference(prompts) -> dict[torch.dtype, list[list[int]]]:
     """transformers' greedy tokens for each prompt, in float32 and in bfloat16: one model
     loaded at a time, each in its own dtype (a float32 model cast to bfloat16 would keep its
-    rotary frequencies in bfloat16, which a bfloat16 load does not)."""
-    tokens = {}
+    rotary frequencies in bfloat16, which a bfloat16 load does not). One thread, as every run
+    here (the module's fixtures are made before the tests' `one_torch_thread`, and a bfloat16
+    GEMM split over two threads rounds in another order)."""
+    tokens, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         for dtype in (torch.float32, torch.bfloat16):
             model = load_hf_gguf(smollm2_path(), dtype)
             tokens[dtype] = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
             del model
+    torch.set_num_threads(threads)
     return tokens
 
 
