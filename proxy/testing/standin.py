@@ -37,18 +37,17 @@ from dataclasses import dataclass, field, fields, replace
 from aiohttp import web
 from multidict import CIMultiDict
 
+from prefixgate.common.anthropic_answers import MessageStream, count_tokens_answer, message_of
 from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.proxy.testing.surface import (
     EVENT_STREAM,
-    MessageEvents,
     Surface,
     answer_model,
     anthropic_error,
     base_models,
     compact,
     json_response,
-    message_of,
     messages_invalid,
     model_cards,
     model_not_found,
@@ -201,7 +200,7 @@ class StandIn(Surface):
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/messages as vLLM serves it: the request converted to chat (its prompt,
         what the prefix-cache model sees), the chat answer converted back, whole or streamed
-        (surface.MessageEvents); min(tokens, max_tokens) tokens, `max_tokens` the stop reason
+        (common/anthropic_answers.py); min(tokens, max_tokens) tokens, `max_tokens` the stop reason
         when they reach it, else `end_turn`."""
         body, chat, b = await self._messages_request(request, counting=False)
         if body is None:
@@ -258,9 +257,7 @@ class StandIn(Surface):
         body, chat, b = await self._messages_request(request, counting=True)
         if body is None:
             return b
-        tokens = _prompt_len(chat)
-        return json_response({"input_tokens": tokens,
-                              "context_management": {"original_input_tokens": tokens}})
+        return json_response(count_tokens_answer(_prompt_len(chat)))
 
     async def _prefill_in_turn(self, seconds: float) -> None:
         """Wait for the prefills that came before, then take `seconds` for this one."""
@@ -416,7 +413,7 @@ def message_writes(model: str, tokens: int, usage: dict, finish: str = "length")
     chunk, [DONE]) through the Anthropic converter, one write per token — the first with
     `message_start` and the text block's start (vLLM sends its role chunk with the first
     token) — then the tail: the block's end, `message_delta`, `message_stop`."""
-    events = MessageEvents()
+    events = MessageStream()
     chunk = {"id": MESSAGE_ID, "object": "chat.completion.chunk", "created": 0, "model": model}
     head = events.chunk({**chunk, "choices": [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],

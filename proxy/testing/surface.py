@@ -1,6 +1,6 @@
 """The stand-in's OpenAI-compatible surface beyond chat and completions, shaped like vLLM's,
-and the Anthropic shapes of its Messages API (errors, usage, the whole answer, the stream's
-events: vllm/entrypoints/anthropic/{api_router,serving,protocol}.py).
+and the errors of its Messages API in Anthropic's shape (vllm/entrypoints/anthropic/
+api_router.py).
 
 `Surface` is mixed into `StandIn` (proxy/testing/standin.py): embeddings, the Responses API
 (whole, streamed and in the background, kept in memory like vLLM's response store), rerank,
@@ -149,11 +149,7 @@ def model_cards(b) -> list[dict]:
                for name, parent in b.lora.items()])
 
 
-# --- the Messages API: vLLM's answers in Anthropic's shape ------------------------------------
-# (vllm/entrypoints/anthropic/{api_router,serving,protocol}.py: the chat answer converted)
-STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
-
-
+# --- the Messages API: its errors in Anthropic's shape (the answers: common/anthropic_answers.py)
 def anthropic_error(message: str, status: int, err_type: str) -> web.Response:
     """vLLM's AnthropicErrorResponse: the error's type is the one vLLM's own error names
     (`NotFoundError`, ...: api_router.translate_error_response)."""
@@ -199,81 +195,6 @@ def messages_invalid(body, counting: bool = False) -> web.Response | None:
     return None
 
 
-def anthropic_usage(usage: dict | None) -> dict:
-    """vLLM's _build_anthropic_usage: the chat usage's prompt split into what was computed
-    (`input_tokens`) and what the prefix cache held (`cache_read_input_tokens`, and
-    `cache_creation_input_tokens` where reported); the cache fields only when the chat usage
-    has them (`--enable-prompt-tokens-details`)."""
-    if usage is None:
-        return {"input_tokens": 0, "output_tokens": 0}
-    out = {"input_tokens": usage.get("prompt_tokens") or 0,
-           "output_tokens": usage.get("completion_tokens") or 0}
-    details = usage.get("prompt_tokens_details") or {}
-    for chat_key, key in (("created_cache_tokens", "cache_creation_input_tokens"),
-                          ("cached_tokens", "cache_read_input_tokens")):
-        if details.get(chat_key) is not None:
-            out["input_tokens"] -= details[chat_key]
-            out[key] = details[chat_key]
-    out["input_tokens"] = max(0, out["input_tokens"])
-    return out
-
-
-def message_of(answer: dict) -> dict:
-    """A whole chat answer (text) as vLLM's AnthropicMessagesResponse, None fields left out
-    (`stop_sequence`); an empty answer is one empty text block, as vLLM sends."""
-    choice = answer["choices"][0]
-    text = choice["message"].get("content")
-    return {"id": answer["id"], "type": "message", "role": "assistant",
-            "content": [{"type": "text", "text": text or ""}], "model": answer["model"],
-            "stop_reason": STOP_REASONS.get(choice.get("finish_reason")),
-            "usage": anthropic_usage(answer.get("usage"))}
-
-
-class MessageEvents:
-    """A chat stream's chunks (dicts) as the Anthropic events vLLM's message_stream_converter
-    makes of them, text answers only: `message_start` at the first chunk (the role's, its
-    usage the prompt without cache fields), a text block opened at the first text and fed
-    one `content_block_delta` per chunk, closed with `message_delta` (stop reason, the whole
-    usage) at the usage chunk, `message_stop` at [DONE] (`done`)."""
-
-    def __init__(self):
-        self.started, self.block, self.index, self.finish = False, False, 0, None
-
-    def chunk(self, chunk: dict) -> bytes:
-        if not self.started:
-            self.started = True
-            return _sse({"type": "message_start", "message": {
-                "id": chunk["id"], "type": "message", "role": "assistant", "content": [],
-                "model": chunk["model"], "stop_reason": None, "stop_sequence": None,
-                "usage": anthropic_usage(chunk.get("usage"))}})
-        if not chunk["choices"]:                   # the usage chunk: the answer is over
-            return self._stop_block() + _sse({"type": "message_delta", "delta": {
-                "stop_reason": STOP_REASONS.get(self.finish or "stop"), "stop_sequence": None},
-                "usage": anthropic_usage(chunk.get("usage"))})
-        choice = chunk["choices"][0]
-        self.finish = choice.get("finish_reason") or self.finish
-        text = (choice.get("delta") or {}).get("content")
-        if not text:
-            return b""
-        out = b""
-        if not self.block:
-            self.block = True
-            out = _sse({"type": "content_block_start",
-                        "content_block": {"type": "text", "text": ""}, "index": self.index})
-        return out + _sse({"type": "content_block_delta",
-                           "delta": {"type": "text_delta", "text": text}, "index": self.index})
-
-    def done(self) -> bytes:
-        return self._stop_block() + _sse({"type": "message_stop"})
-
-    def _stop_block(self) -> bytes:
-        if not self.block:
-            return b""
-        self.block = False
-        self.index += 1
-        return _sse({"type": "content_block_stop", "index": self.index - 1})
-
-
 # --- small helpers -----------------------------------------------------------------------------
 def _tokens_of(text: str) -> int:
     return max(1, len(text) // 4)
@@ -307,8 +228,7 @@ def _relevance(query: str, doc: str) -> float:
 
 
 def _sse(event: dict) -> bytes:
-    """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events); an
-    Anthropic event likewise (its `type` is its event's name: serving.wrap_data_with_event)."""
+    """A Responses API event as vLLM frames it (api_router._convert_stream_to_sse_events)."""
     return f"event: {event['type']}\ndata: {compact(event)}\n\n".encode()
 
 
