@@ -13,6 +13,7 @@ import anthropic
 import pytest
 
 from prefixgate.common import sse
+from prefixgate.common.runtime import free_port
 from tests.plugins.helpers import metrics, sample
 
 KEY = "sk-gateway-key-messages"
@@ -138,12 +139,18 @@ async def test_a_bad_request_is_an_anthropic_error_before_any_upstream(
 
 
 async def test_gateway_and_upstream_failures_keep_anthropics_shape(make_standin, make_gateway):
-    down = await make_standin(fail="status", status=503)
-    gw = await make_gateway(gateway_config(down, retries=0))
-    with pytest.raises(anthropic.APIStatusError) as e:
+    failing = await make_standin(fail="status", status=503)
+    gw = await make_gateway(gateway_config(failing, retries=0))
+    with pytest.raises(anthropic.APIStatusError) as e:      # the upstream's own, as it came
         await client_for(gw).messages.create(model="standin-model", max_tokens=8,
                                              messages=MESSAGES)
-    assert e.value.status_code in (502, 503) and e.value.body["type"] == "error"
+    assert e.value.status_code == 503 and e.value.body["type"] == "error"
+    gone = await make_gateway({"upstreams": [{"name": "a", "url": f"http://127.0.0.1:{free_port()}"}],
+                               "retries": 0})
+    with pytest.raises(anthropic.APIStatusError) as e:      # the gateway's own: no connection
+        await client_for(gone).messages.create(model="standin-model", max_tokens=8,
+                                               messages=MESSAGES)
+    assert e.value.status_code in (502, 503)
     assert e.value.body["error"]["type"] in ("api_error", "overloaded_error")
     async with aiohttp.ClientSession() as http:       # aiohttp's own 405, on this path
         async with http.get(gw.url + "/v1/messages") as r:
