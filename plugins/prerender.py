@@ -28,13 +28,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import xxhash
 from prometheus_client import Counter
 
-from prefixgate.common import sse
+from prefixgate.common import anthropic_messages, sse
 from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
 from prefixgate.common.schema import ConfigError, Key, non_negative, positive
@@ -230,33 +227,12 @@ class PromptCache:
 # message's text parts joined with "\n"; the tools go as to_chat makes them (vLLM's dump of
 # its tool models).
 EFFORTS = ("low", "medium", "high", "xhigh", "max")     # Anthropic's output_config.effort
-PROBE_MESSAGES = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
 
 
 def needs_system_first(tok) -> bool:
-    """vLLM's `_should_merge_inline_system`: render [system, user, system, user] with a bare
-    jinja2 sandbox (no template globals); a template that fails (Qwen's `loop.first` guard, or
-    any raise_exception) needs inline system messages merged into the leading one. vLLM
-    probes the template it uses without tools and with `tools=[]` (a template set's
-    `tool_use` entry)."""
-    t = getattr(tok, "chat_template", None)
-    sources = [t.get("default"), t.get("tool_use", t.get("default"))] if isinstance(t, dict) \
-        else [t]
-    return any(_fails_inline_system(s) for s in sources)
-
-
-def _fails_inline_system(source) -> bool:
-    if not source:
-        return True
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    try:
-        env.from_string(source).render(messages=PROBE_MESSAGES, add_generation_prompt=False)
-    except jinja2.TemplateError:
-        return True
-    except Exception:          # vLLM would not start; here: the safe answer
-        return True
-    return False
+    """Does this tokenizer's chat template need inline system messages merged into the leading
+    one? vLLM's probe (common/anthropic_messages.needs_system_first)."""
+    return anthropic_messages.needs_system_first(getattr(tok, "chat_template", None))
 
 
 def disabled_thinking_effort(tok) -> str:
