@@ -66,25 +66,13 @@ def check_depth(value, max_depth: int) -> None:
 
 def check_fields(path: str, body: dict) -> None:
     if path.endswith("/chat/completions"):
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            _bad("messages", "must be a non-empty list of message objects")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                _bad(f"messages[{i}]", "must be an object with a string 'role'")
+        _check_messages(body.get("messages"), content_required=False)
     elif path.endswith("/v1/completions"):
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)):
             _bad("prompt", "must be a string or a list")
     elif path.startswith("/v1/messages"):          # Anthropic's Messages and count_tokens
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            _bad("messages", "must be a non-empty list of message objects")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                _bad(f"messages[{i}]", "must be an object with a string 'role'")
-            if not isinstance(m.get("content"), (str, list)):
-                _bad(f"messages[{i}].content", "must be a string or a list of content blocks")
+        _check_messages(body.get("messages"), content_required=True)
         if path == "/v1/messages" and "max_tokens" not in body:
             _bad("max_tokens", "is required")
     if "model" in body and not isinstance(body["model"], str):
@@ -99,6 +87,17 @@ def check_fields(path: str, body: dict) -> None:
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             _bad(name, "must be a number")
+
+
+def _check_messages(msgs, content_required: bool) -> None:
+    """A chat's or a Messages request's `messages` (Anthropic's always carry content)."""
+    if not isinstance(msgs, list) or not msgs:
+        _bad("messages", "must be a non-empty list of message objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            _bad(f"messages[{i}]", "must be an object with a string 'role'")
+        if content_required and not isinstance(m.get("content"), (str, list)):
+            _bad(f"messages[{i}].content", "must be a string or a list of content blocks")
 
 
 def _bad(field: str, reason: str):

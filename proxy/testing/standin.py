@@ -154,14 +154,8 @@ class StandIn(Surface):
             await asyncio.sleep(3600)
         if b.fail == "garbage":
             return web.Response(body=b"\x00not json at all", content_type="text/plain")
-        cached = None
-        if b.prefix_cache is not None:
-            uncached, cached = self.cache.lookup(_prompt_text(body), use=b.prefix_cache)
-            b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
+        b, cached = await self._prefill(b, body)
         usage = _usage(body, b.tokens, cached)
-        if b.serial_prefill:
-            await self._prefill_in_turn(b.first_delay)
-            b = replace(b, first_delay=0.0)
         self.running += 1
         try:
             if body.get("stream"):
@@ -209,15 +203,8 @@ class StandIn(Surface):
             return web.Response(body=b"\x00not json at all", content_type="text/plain")
         tokens = max(0, min(b.tokens, body["max_tokens"]))
         finish = "length" if tokens >= body["max_tokens"] else "stop"
-        cached = None
-        if b.prefix_cache is not None:
-            uncached, cached = self.cache.lookup(_prompt_text(chat), use=b.prefix_cache)
-            b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
-        b = replace(b, tokens=tokens)
+        b, cached = await self._prefill(replace(b, tokens=tokens), chat)
         usage = _usage(chat, tokens, cached)
-        if b.serial_prefill:
-            await self._prefill_in_turn(b.first_delay)
-            b = replace(b, first_delay=0.0)
         self.running += 1
         try:
             if body.get("stream"):
@@ -239,17 +226,8 @@ class StandIn(Surface):
         if b.fail == "reset_after" and b.fail_after == 0:
             request.transport.close()
             return web.Response()
-        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
-        await resp.prepare(request)
-        writes = message_writes(b.model, b.tokens, usage, finish)
-        async for i in paced_tokens(b, request):
-            await resp.write(writes[i])
-        if was_reset(request):
-            return resp
-        await resp.write(writes[-1])
-        await resp.write_eof()
-        self.completed += 1
-        return resp
+        return await self._write_stream(request, b, message_writes(b.model, b.tokens, usage,
+                                                                    finish))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/messages/count_tokens: the prompt's tokens as the chat request vLLM makes
@@ -258,6 +236,19 @@ class StandIn(Surface):
         if body is None:
             return b
         return json_response(count_tokens_answer(_prompt_len(chat)))
+
+    async def _prefill(self, b: Behaviour, prompt_body: dict) -> tuple[Behaviour, int | None]:
+        """The modelled prefill of `prompt_body`'s prompt: its prefix-cache lookup (the uncached
+        tokens' time added to the first delay) and, with `serial_prefill`, its turn; (the
+        behaviour with the delay still to take, the cached tokens or None)."""
+        cached = None
+        if b.prefix_cache is not None:
+            uncached, cached = self.cache.lookup(_prompt_text(prompt_body), use=b.prefix_cache)
+            b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
+        if b.serial_prefill:
+            await self._prefill_in_turn(b.first_delay)
+            b = replace(b, first_delay=0.0)
+        return b, cached
 
     async def _prefill_in_turn(self, seconds: float) -> None:
         """Wait for the prefills that came before, then take `seconds` for this one."""
@@ -276,10 +267,14 @@ class StandIn(Surface):
         if b.fail == "reset_after" and b.fail_after == 0:
             request.transport.close()          # reset before any byte of the response
             return web.Response()
+        chat = request.path.endswith("chat/completions")
+        return await self._write_stream(request, b, stream_writes(body, chat, b.model, b.tokens,
+                                                                  usage))
+
+    async def _write_stream(self, request, b: Behaviour, writes: list[bytes]):
+        """One write per token as the behaviour paces them, the last write after them."""
         resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM})
         await resp.prepare(request)
-        chat = request.path.endswith("chat/completions")
-        writes = stream_writes(body, chat, b.model, b.tokens, usage)
         async for i in paced_tokens(b, request):
             await resp.write(writes[i])
         if was_reset(request):
