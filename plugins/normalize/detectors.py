@@ -7,7 +7,12 @@ Precision first: a value is reported only when
   type that fits the label (a time label takes a date, time or epoch — a freshness label
   only one with a time of day; an id label takes a UUID, ULID, JWT, random token or an
   id-like word that is not a count: "Session ID is 128 bits"), or
-* it is *bare* but of a type that is per-request by nature (UUID, ULID, JWT; configurable),
+* it is *bare* but of a type that is per-request by nature (UUID, ULID, JWT, an API's
+  prefixed id such as `msg_01XF…`, `toolu_…`, `chatcmpl-…`; configurable), or
+* it is an *environment field* a coding agent puts near the head of its prompt ("Working
+  directory: /Users/me/app", "Current branch: feat/x", "Platform: darwin", `<cwd>…</cwd>`, a
+  "Status:" line with `git status --short` lines below it) and the value has the field's
+  shape (a path, a ref name, an OS, a shell, a time zone, status or commit lines),
 
 and the text does not merely mention it: values in few-shot examples, illustrations,
 quotations and code-like calls stay (`mentions.py`). Everything else — versions, prices,
@@ -15,8 +20,11 @@ phone numbers, IPs, hex colours, commit hashes, fixed dates ("last updated 2023-
 has no such label and stays. Text inside code blocks, inline code and embedded tool
 definitions is never looked at.
 
-Cost: every value we look for contains an ASCII digit, so one C-level regex pass finds the
-digit-bearing tokens and all per-token work (label check, type check) runs only on those.
+Cost: almost every value we look for contains an ASCII digit, so one C-level regex pass finds
+the digit-bearing tokens and all per-token work (label check, type check) runs only on those.
+The rest are found from single-character literals the regex engine skips to at C speed: a
+newline (environment fields start a line), `/` (a path in running text), `_` and `-` (an id
+with no digit: "t_aefdfeea"), each then checked against its label.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from itertools import accumulate
 
 from prefixgate.plugins.normalize import labels, mentions
 
-TYPES = ("datetime", "epoch", "uuid", "ulid", "jwt", "token", "id")
+TYPES = ("datetime", "epoch", "uuid", "ulid", "jwt", "token", "id", "prefixed", "env")
 
 WINDOW = 72          # chars before a token searched for its label
 
@@ -70,7 +78,47 @@ _END = r"(?![A-Za-z0-9])"
 TIME_VALUE = re.compile(rf"(?P<datetime>{_DATETIME}){_END}|(?P<epoch>{_EPOCH}){_END}")
 ID_VALUE = re.compile(rf"(?P<uuid>{_UUID}){_END}|(?P<jwt>{_JWT}){_END}|(?P<ulid>{_ULID}){_END}"
                       rf"|(?P<token>{_TOKEN}){_END}|(?P<id>{_ID})")
-BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT)}
+# An id an API mints per request or session, with its type as a prefix: Anthropic's `msg_…`,
+# `toolu_…`, `req_…`, OpenAI's `chatcmpl-…`, `resp_…`, `call_…`, `run_…`, `thread_…`, `sess_…`,
+# `conv_…`. The random part (16+ letters and digits, both) is what makes it one request's.
+_PREFIXED = (r"(?:sess|session|req|msg|toolu|srvtoolu|conv|chatcmpl|cmpl|resp|run|thread|call)"
+             r"[_-](?=[A-Za-z]*[0-9])(?=[0-9]*[A-Za-z])[A-Za-z0-9]{16,}")
+BARE = {"uuid": re.compile(_UUID), "ulid": re.compile(_ULID), "jwt": re.compile(_JWT),
+        "prefixed": re.compile(_PREFIXED)}
+BARE_MIN = {"uuid": 36, "ulid": 26, "jwt": 26, "prefixed": 20}     # shortest value of each
+# An id with no digit at all, after an id label: a short prefix and 8+ hex letters
+# ("t_aefdfeea", "AND-BFDCEABE"), or 12+ letters of both cases ("sess_QmXkPzRtWvYb"). One in
+# about 2,500 random 8-hex ids and one in 12 random 14-char base62 ids has no digit; the
+# digit-bearing words the detectors start from never include them.
+_DIGITLESS = tuple(re.compile(sep + r"(?:[a-fA-F]{8,}|(?=[A-Za-z]*[A-Z])(?=[A-Za-z]*[a-z])"
+                              r"[A-Za-z]{12,})(?![A-Za-z0-9_-])") for sep in ("_", "-"))
+_DIGITLESS_HEAD = 12         # letters of the prefix before `_` / `-`
+
+# --- coding agents' environment (labels: labels.ENV_FIELDS, labels.ENV_BLOCKS) -----------------
+_PATH = r"(?:~(?=[/\\])|[A-Za-z]:[\\/]|\\\\|/(?=[\w.~-]))"          # where a path starts
+ENV_VALUES = {
+    "path": re.compile(_PATH + r"[^\n<>\"'`|]*"),
+    "branch": re.compile(r"[\w][\w./+@-]*"),
+    "os": re.compile(r"(?i:darwin|linux|win32|windows|macos|mac ?os(?: ?x)?|os ?x|freebsd"
+                     r"|openbsd|netbsd|ubuntu|debian|fedora|centos|alpine|wsl)(?![A-Za-z])"
+                     r"[^\n<>]{0,80}"),
+    "shell": re.compile(r"(?:SHELL=)?(?:[^\s<>]*[/\\])?(?i:bash|zsh|fish|sh|dash|ksh|tcsh|csh|nu"
+                        r"|pwsh|powershell|cmd)(?:\.exe)?(?![\w])(?:[ \t]+[\w.()-]+)?"),
+    "timezone": re.compile(r"[A-Z][A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?(?:[ \t]*\([^()\n]{1,16}\))?"
+                           r"|(?:UTC|GMT)(?:[ \t]?[+-][0-9]{1,2}(?::?[0-9]{2})?)?"),
+    "person": re.compile(r"[^\n<>:：{}$]{1,64}"),
+}
+_PATH_WORD = re.compile(_PATH + r"[^\s<>\"'`|,;)\]]*")        # a path in running text
+_PLACEHOLDER = re.compile(r"[{}$<>]|path/to|/your[-_/]|/\.\.\.|…")     # "/path/to/project"
+# `git status --short` lines ("M src/a.ts", "?? new.py", "R  a -> b") and Claude Code's
+# "(clean)"; `git log --oneline` lines ("a1b2c3d Fix the parser").
+ENV_BLOCK_LINES = {
+    "git_status": re.compile(r"[ \t]?[MTADRCU?!][MTADRCU?! ]?[ \t]+(?:\"[^\"\n]+\"|\S+)"
+                             r"(?:[ \t]+->[ \t]+(?:\"[^\"\n]+\"|\S+))?[ \t]*"
+                             r"|\((?:clean|no changes)\)|\.\.\. \(truncated[^\n]*"),
+    "commits": re.compile(r"[0-9a-f]{7,40}[ \t]+\S[^\n]*"),
+}
+_ENV_MAX_LINES = 64          # lines a block takes at most
 
 # A digit-bearing token: starts at a digit (a fast C scan); `scan` gives it the letters before.
 # (a comma inside keeps "1,234.50" one token, so an amount's token count does not vary)
@@ -100,6 +148,7 @@ _COUNTERS = ("位", "个", "件", "条", "次", "人", "天", "分钟", "小时"
              "以内", "以上", "以下", "台", "张")
 _QUANTITY = re.compile(rf"[0-9]{{1,5}}(?:[ \t]*-?[ \t]*(?:(?:{'|'.join(_UNIT_ADJECTIVES)})[ \t]+)?"
                        rf"(?:{'|'.join(_UNITS)})s?(?![A-Za-z])|[ \t]*(?:{'|'.join(_COUNTERS)}))")
+_CLOSING_TAG = re.compile(r"</[A-Za-z_][\w.-]*>")
 _LINE_HEAD = re.compile(r"\s*(?:[-*•>]\s+|[0-9]{1,2}[.)]\s+)?(?:\*\*|__)?")
 
 
@@ -187,7 +236,9 @@ class Detector:
                  rules=()):
         self.types = frozenset(types)
         self.bare = [(t, BARE[t]) for t in bare if t in self.types]
+        self.bare_min = min((BARE_MIN[t] for t, _ in self.bare), default=0)
         self.label = labels.LabelMatcher(time_labels, id_labels, WINDOW)
+        self.env = labels.EnvMatcher() if "env" in self.types else None
         self.gate_words, self.gate_ends = labels.last_words(time_labels, id_labels)
         self.gate_chars = labels.last_chars(time_labels, id_labels)
         self.rules = list(rules)      # [(compiled regex, label)]
@@ -196,15 +247,19 @@ class Detector:
         """The values to move: `candidates` less those the text only mentions (`mentions`)."""
         return mentions.drop_mentions(text, self.candidates(text, toks, code))
 
-    def candidates(self, text: str, toks: list[tuple[int, int]], code) -> list[Found]:
-        """Labelled and bare typed values, then custom rules; sorted, non-overlapping.
-        Each depends only on its own line and the WINDOW before it (what `suffix_reuse`
-        relies on). The loop runs once per digit-bearing token, so its common path is inline."""
+    def candidates(self, text: str, toks: list[tuple[int, int]], code,
+                   end: int | None = None) -> list[Found]:
+        """Labelled and bare typed values, digit-free ids and environment fields, then custom
+        rules; sorted, non-overlapping. `toks` are the digit-bearing tokens to look at; `end`
+        bounds where the others may start (`suffix_reuse` analyses only a text's head). Each
+        depends only on its own line (an environment block: on the lines below it) and the
+        WINDOW before it (what `suffix_reuse` relies on). The loop runs once per digit-bearing
+        token, so its common path is inline."""
         found: list[Found] = []
         covered = -1
         left, gate_chars, gate_words, gate_ends = _LEFT, self.gate_chars, self.gate_words, \
             self.gate_ends
-        letters, bare = _ASCII_LETTERS, self.bare
+        letters, bare, bare_min = _ASCII_LETTERS, self.bare, self.bare_min
         for s, e in toks:
             if s < covered or (code and _inside_sorted(code, s)):
                 continue
@@ -234,14 +289,75 @@ class Detector:
                     word = text[k + 1:j + 1].lower()
                     if word in gate_words or word.endswith(gate_ends):
                         hit = self._labelled(text, s, e)
-            if hit is None and bare and e - s >= 26:      # the shortest bare type is 26 chars
+            if hit is None and bare and e - s >= bare_min:
                 hit = self._bare(text, s, e)
             if hit is not None:
                 found.append(hit)
                 covered = hit.end
+        end = len(text) if end is None else end
+        more = self._digitless(text, code, end) if "id" in self.types else []
+        if self.env is not None:
+            more += self._environment(text, code, end)
+        if more:
+            found = _merge(found, more)
         if self.rules:
             found = _merge(found, self._rules(text, code))
         return found
+
+    def _digitless(self, text: str, code, end: int) -> list[Found]:
+        """Ids with no digit after an id label ("[Tenant ID: t_aefdfeea]"): a short prefix, then
+        `_` or `-` and hex letters or mixed-case letters (`_DIGITLESS`)."""
+        out = []
+        for rx in _DIGITLESS:
+            for m in rx.finditer(text, 0, end):
+                s = m.start()
+                k = s
+                while k > 0 and s - k < _DIGITLESS_HEAD and text[k - 1] in _ASCII_LETTERS:
+                    k -= 1
+                if k == s or (k > 0 and text[k - 1] in _LEFT) or (code and _inside_sorted(code, k)):
+                    continue
+                lab = self.label.before(text, k)
+                if lab is not None and lab.kind == "id" and lab.value_start == k:
+                    out.append(Found(k, m.end(), text[k:m.end()], lab.text, "id",
+                                     _clause(text, lab.start, m.end()), lab.label_start))
+        return out
+
+    def _environment(self, text: str, code, end: int) -> list[Found]:
+        """Environment fields and blocks at line starts (`labels.EnvMatcher`), and paths after
+        a path label in running text."""
+        out: list[Found] = []
+        for lab in self.env.labels(text, end):
+            if lab is None or (code and _inside_sorted(code, lab.label_start)):
+                continue
+            f = _env_block(text, lab) if lab.kind in ENV_BLOCK_LINES else _env_field(text, lab)
+            if f is not None:
+                out.append(f)
+        covered = {f.start for f in out}
+        i = text.find("/", 0, end)
+        while i >= 0:
+            s = i - 1 if i > 0 and text[i - 1] == "~" else i
+            if s > 0 and text[s - 1] in " \t:：=>('\"" and s not in covered and not (
+                    code and _inside_sorted(code, s)):
+                f = self._path_in_prose(text, s)
+                if f is not None:
+                    out.append(f)
+                    i = f.end
+            i = text.find("/", i + 1, end)
+        return out
+
+    def _path_in_prose(self, text: str, s: int) -> Found | None:
+        hit = self.env.path_label(text, s)
+        m = _PATH_WORD.match(text, s)
+        if hit is None or m is None:
+            return None
+        ve = m.end()
+        while ve > s and text[ve - 1] in ".:":
+            ve -= 1
+        value = text[s:ve]
+        if len(value) < 2 or _PLACEHOLDER.search(value):
+            return None
+        ls, label = hit
+        return Found(s, ve, value, label, "env", _clause(text, ls, ve), ls)
 
     def _labelled(self, text: str, s: int, e: int) -> Found | None:
         lab = self.label.before(text, s)
@@ -285,6 +401,54 @@ class Detector:
         return out
 
 
+def _env_field(text: str, lab) -> Found | None:
+    """The value of an environment field, when it has its kind's shape; the whole line is cut
+    when the field is all the line holds."""
+    line_end = text.find("\n", lab.value_start)
+    line_end = len(text) if line_end < 0 else line_end
+    if lab.tag:
+        close = text.find(f"</{lab.text}>", lab.value_start, line_end)
+        if close < 0:
+            return None
+        vs, ve, after = lab.value_start, close, close + len(lab.text) + 3
+    else:
+        vs, ve, after = lab.value_start, line_end, line_end
+    while ve > vs and text[ve - 1] in " \t*_":
+        ve -= 1
+    if ve > vs and text[ve - 1] == "." and lab.kind != "path":
+        ve -= 1
+    value = text[vs:ve]
+    if not value or not ENV_VALUES[lab.kind].fullmatch(value) or _PLACEHOLDER.search(value):
+        return None
+    own_line = not text[after:line_end].strip(" \t*_.")
+    cut = (lab.line_start, min(line_end + 1, len(text))) if own_line else None
+    if own_line and line_end == len(text) and lab.line_start > 0:
+        cut = (lab.line_start - 1, line_end)
+    return Found(vs, ve, value, lab.text, "env", cut, lab.label_start)
+
+
+def _env_block(text: str, lab) -> Found | None:
+    """An environment block: its label line ends at the separator; the lines below in the
+    block's shape are its value ("Status:\nM src/a.ts\n?? b.py")."""
+    line_end = text.find("\n", lab.value_start)
+    if lab.tag or line_end < 0 or text[lab.value_start:line_end].strip(" \t*_"):
+        return None
+    rx, pos, last = ENV_BLOCK_LINES[lab.kind], line_end + 1, -1
+    for _ in range(_ENV_MAX_LINES):
+        nl = text.find("\n", pos)
+        nl = len(text) if nl < 0 else nl
+        if nl == pos or not rx.fullmatch(text, pos, nl):
+            break
+        last, pos = nl, nl + 1
+        if pos > len(text):
+            break
+    if last < 0:
+        return None
+    vs = line_end + 1
+    cut = (lab.line_start, last + 1) if last < len(text) else (max(lab.line_start - 1, 0), last)
+    return Found(vs, last, text[vs:last], lab.text, "env", cut, lab.label_start)
+
+
 def plausible_id(text: str, vs: int, ve: int) -> bool:
     """An id-like word after an id label is an identifier when it has a digit (a word alone is
     a name) and is no quantity ("Session ID is 128 bits long", "user_id: 64-bit integer")."""
@@ -317,6 +481,8 @@ def _clause(text: str, ls: int, ve: int) -> tuple[int, int] | None:
         line_end = len(text)
     head = text[line_start:ls]
     rest = text[ve:line_end].strip()
+    if text.startswith("<", ls) and _CLOSING_TAG.fullmatch(rest):
+        rest = ""                          # "<current_date>2026-03-15</current_date>"
     if _LINE_HEAD.fullmatch(head) and rest in ("", ".", "。", ",", "，", ";", "；"):
         if line_end < len(text):
             return line_start, line_end + 1

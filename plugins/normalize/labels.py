@@ -19,6 +19,13 @@ stand a note ("(UTC+8)"), brackets or quotes around either ("[Request ID] …",
 '"session_id": "…"', "<trace_id>…"), markdown emphasis, and a separator (`:`, `：`, `=`, `→`,
 a table's `|`, "is", "是", "为") or just a space.
 
+* an *environment label* (`ENV_FIELDS`, `ENV_BLOCKS`): what coding agents write near the head
+  of a prompt about the machine and repository they run in — "Working directory:",
+  "Current branch:", "Platform:", "Shell:", `<cwd>…</cwd>`, a "Status:" line followed by
+  `git status --short` lines, "Recent commits:" followed by `git log --oneline` lines. These
+  stand at the start of a line and their values are mostly digit-free, so `EnvMatcher` reads
+  them forwards from each line start instead.
+
 Not labels, on purpose: an entity word alone ("Session: 3 of 5", "build 20231105.2"), versions
 ("API version: 2024-01-01" pins behaviour; it changes with a release, not a request), and
 dates of record ("effective", "valid until", "knowledge cutoff"). A value under such a label
@@ -50,7 +57,8 @@ ID_ENTITIES = {
     "transaction": ("transaction", "txn", "payment", "交易", "事务", "支付"),
     "ticket": ("ticket", "case", "incident", "工单", "案件"),
 }
-ID_SUFFIXES = ("id", "identifier", "编号", "号码", "号", "标识", "标识符")     # any casing
+ID_SUFFIXES = ("id", "identifier", "uuid", "guid", "key", "hash",            # any casing
+               "编号", "号码", "号", "标识", "标识符")
 ID_WORDS = ("nonce", "cnonce", "uid", "idempotency key", "traceparent",         # standalone
             "流水号", "随机数", "随机串", "幂等键")
 QUALIFIERS = ("current", "parent", "root", "upstream", "original", "active", "this", "your",
@@ -97,10 +105,13 @@ _PRE_ENDS = "午上晨间一二三四五六日天"      # last characters of a C
 
 # --- the matcher ---------------------------------------------------------------------------------
 # Every pattern below is written backwards: the matcher reads the text from the value back to
-# the label. `pre`: the words of a value before its first digit — up to two English words
-# ("Tuesday, March 15"), a Chinese weekday ("星期日，2026年…") or time of day ("下午2点").
-_PRE_R = (r"(?P<pre>(?:\s+,?\.?[A-Za-z]{3,9}){0,2}|[，,\s]*[一二三四五六日天](?:期星|周)"
-          r"|午上|午下|上晚|晨凌|午中|上早)")
+# the label. `pre`: the words of a value before its first digit — up to two month or day names
+# ("Tuesday, March 15"), a Chinese weekday ("星期日，2026年…") or time of day ("下午2点"). Only
+# date words: any word would take a label's own last words for the value's ("Current date and
+# time 2026-03-15" read as the label "Current date" and a value "and time 2026-03-15").
+_DATE_WORDS_R = "|".join(re.escape(w[::-1]) for w in sorted(DATE_WORDS, key=len, reverse=True))
+_PRE_R = (rf"(?P<pre>(?:\s+,?\.?(?i:{_DATE_WORDS_R})(?![A-Za-z])){{0,2}}"
+          r"|[，,\s]*[一二三四五六日天](?:期星|周)|午上|午下|上晚|晨凌|午中|上早)")
 JOIN = rf"(?:[{re.escape(JOIN_CHARS)}]|{'|'.join(re.escape(w[::-1]) for w in JOIN_WORDS)})*"
 
 
@@ -211,3 +222,122 @@ def last_chars(time_labels=(), id_labels=()) -> frozenset[str]:
     seps = {s[-1] for s in SEPARATORS if not (s[-1].isascii() and s[-1].isalpha())}
     return frozenset(cjk | seps | set(CLOSERS) | set(OPENERS) | set("*_") | set(_PRE_ENDS)
                      | {z[-1] for z in ZONE_WORDS})
+
+
+# --- coding agents' environment ------------------------------------------------------------------
+# What coding agents write near the head of a prompt about where they run: Claude Code's <env>
+# block ("Working directory: …", "Platform: darwin", "OS Version: …") and its gitStatus block,
+# Codex's <environment_context> (`<cwd>`, `<shell>`, `<timezone>`), Cline's and Roo's SYSTEM
+# INFORMATION ("Default Shell:", "Current Working Directory:"), Aider's platform lines, Gemini
+# CLI's "I'm currently working in the directory: …". Each value is one user's or one session's:
+# two developers on one tool, or one developer in two checkouts, differ only there. Left in
+# place on purpose: settings that steer the agent ("approval_policy", "sandbox_mode",
+# "network_access", "Is directory a git repo: Yes") and the repository's main branch (a
+# constant of the repository, usually "main").
+# A field is `<label>: <value>` at the start of a line (after indentation, a bullet, `**`) or
+# `<label>value</label>`; its value must have its kind's shape (detectors.ENV_VALUES), so
+# "Platform: web" or "Shell: see below" stay. A path also counts in running text after a path
+# label ("… the current working directory: /x", "… the user's workspace is /x").
+ENV_FIELDS = {
+    "path": ("working directory", "primary working directory", "current working directory",
+             "additional working directories", "working directories", "working dir",
+             "current workspace directory", "workspace directory", "workspace folder",
+             "workspace root", "workspace", "project directory", "project root",
+             "repository root", "repo root", "home directory", "current directory", "cwd",
+             "pwd", "workdir", "working in the directory", "working in directory",
+             "工作目录", "当前工作目录", "当前目录", "项目目录", "项目根目录", "工作区"),
+    "branch": ("current branch", "current git branch", "git branch", "active branch", "branch",
+               "当前分支", "分支"),
+    "os": ("platform", "os version", "operating system", "操作系统"),  # not "OS:" alone: a
+    # support bot's "Environment: - OS: macOS 14.4" describes a product, not where it runs
+    "shell": ("shell", "default shell", "user shell", "login shell"),
+    "timezone": ("timezone", "time zone", "tz", "时区"),
+    "person": ("git user", "git user name", "git author", "git 用户"),
+}
+# A block: its label alone on a line, then one entry per line in its kind's shape, up to the
+# first line that has not (git's short status lines; `git log --oneline` lines).
+ENV_BLOCKS = {
+    "git_status": ("status", "git status", "working tree status", "git 状态"),
+    "commits": ("recent commits", "latest commits", "last commits", "最近提交"),
+}
+ENV_JOIN = r"[ _-]?"                        # "working directory", "working_directory", "workingDir"
+
+
+def env_key(label: str) -> str:
+    """A label's table form: lower case, its words joined by one space ("workingDirectory",
+    "WORKING_DIRECTORY" -> "working directory")."""
+    spaced = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", label.strip())
+    return " ".join(re.split(r"[\s_-]+", spaced.lower()))
+
+
+def _forward(labels) -> str:
+    return "|".join(ENV_JOIN.join(re.escape(w) for w in lab.split())
+                    for lab in sorted(set(labels), key=len, reverse=True))
+
+
+@dataclass(slots=True)
+class EnvLabel:
+    """An environment label at a line start, in the text's own positions."""
+    kind: str            # an ENV_FIELDS or ENV_BLOCKS kind
+    text: str            # the label as written: "Working directory", "cwd"
+    line_start: int
+    label_start: int     # its opening `<` included
+    value_start: int
+    tag: bool            # `<cwd>…</cwd>`: the value ends at the closing tag
+
+
+class EnvMatcher:
+    """The environment labels compiled into one forward matcher, tried at each line start
+    (a newline is a one-character literal the regex engine skips to at C speed)."""
+
+    def __init__(self):
+        fields = [lab for labels in ENV_FIELDS.values() for lab in labels]
+        blocks = [lab for labels in ENV_BLOCKS.values() for lab in labels]
+        self.kinds = {lab: kind for kind, labels in {**ENV_FIELDS, **ENV_BLOCKS}.items()
+                      for lab in labels}
+        emphasis = r"(?:\*\*|__)?"
+        # a line whose first letter starts no label fails at one look, before the alternation
+        # (which costs a try per label)
+        firsts = {c for lab in fields + blocks for c in (lab[0].lower(), lab[0].upper())}
+        gate = f"(?=[<{re.escape(''.join(sorted(firsts)))}])"
+        line = (rf"[ \t]*(?:[-*•>][ \t]+)?{emphasis}{gate}"
+                rf"(?:<(?P<tag>(?i:{_forward(fields)}))>"
+                rf"|(?P<label>(?i:{_forward(fields + blocks)})){emphasis}"
+                rf"[ \t]*[:：]{emphasis}[ \t]*)")
+        self.line = re.compile("\n" + line)          # every line but the first
+        self.first = re.compile(line)
+        # a path label right before a path in running text, read backwards from the path
+        paths = "|".join(ENV_JOIN.join(re.escape(w[::-1]) for w in reversed(lab.split()))
+                         for lab in sorted(ENV_FIELDS["path"], key=len, reverse=True))
+        self.path_before = re.compile(
+            rf"[ \t]*(?:[\"'(<`][ \t]*)?(?:[:：=][ \t]*|[ \t]+si[ \t]+|[ \t]*)"
+            rf"(?P<label>(?i:{paths}))(?![A-Za-z])")
+
+    def labels(self, text: str, end: int):
+        """Each environment label on a line starting before `end`, in text order."""
+        m = self.first.match(text)
+        if m is not None and end > 0:
+            yield self._label(m, 0)
+        for m in self.line.finditer(text, 0, end):
+            yield self._label(m, m.start() + 1)
+
+    def _label(self, m: re.Match, line_start: int) -> EnvLabel | None:
+        tag = m.group("tag")
+        raw = tag if tag is not None else m.group("label")
+        kind = self.kinds.get(env_key(raw))
+        if kind is None:
+            return None
+        group = "tag" if tag is not None else "label"
+        return EnvLabel(kind, raw, line_start, m.start(group) - (tag is not None), m.end(),
+                        tag is not None)
+
+    def path_label(self, text: str, s: int) -> tuple[int, str] | None:
+        """(start, text) of the path label that ends right before position `s`, if any."""
+        w0 = max(0, s - 64)
+        m = self.path_before.match(text[w0:s][::-1])
+        if m is None:
+            return None
+        ls, le = s - m.end("label"), s - m.start("label")
+        if ls > 0 and (text[ls - 1].isalnum() or text[ls - 1] == "_"):
+            return None                          # "…sworkspace": inside a word
+        return ls, text[ls:le]

@@ -3,7 +3,9 @@
 A timestamp or request id near the top of a system prompt makes every request's prefix
 unique, and no prefix cache ever hits. This plugin finds such values in the system messages
 (and optionally the first N messages), takes each out of where it stands and appends it, with
-the label that introduced it, in one short block at the tail:
+the label that introduced it, in one short block at the tail. Chat bodies and Anthropic
+Messages bodies (`/v1/messages`: `system` as a string or text blocks, content blocks; only
+text is rewritten, never `tool_use` inputs or `tool_result` contents) alike:
 
     system: "当前时间是 2026-03-15 14:22:31，请根据以下规则回答…"
       →     "请根据以下规则回答…"
@@ -23,10 +25,12 @@ moves anything in another's — while the detectors and the analysis cache are s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from prefixgate.common.anthropic_messages import BILLING_HEADER
 from prefixgate.common.schema import ConfigError, Key, non_negative, one_of, positive
 from prefixgate.plugins.normalize.detectors import (
     BARE,
@@ -51,6 +55,7 @@ REUSE_TEXTS = 32            # recent texts kept for reuse (each holds its text a
 MAX_MODELS = 64             # models with a Learner of their own (least recently used dropped)
 
 OPEN, CLOSE = "<dynamic_context>", "</dynamic_context>"
+MESSAGES_PATH = "/v1/messages"       # and /v1/messages/count_tokens: Anthropic Messages bodies
 _JOIN_GAP = frozenset(" \tT,，/-:：年月日时分秒")    # between two varying slots of one value
 
 
@@ -197,34 +202,56 @@ class Normalizer:
         return _merge(a.found, _learned_finds(text, a.toks, learned, a.code))
 
     # --- a whole body -------------------------------------------------------------------------
-    def normalize(self, body: dict, model: str | None = None) -> list[dict]:
+    def normalize(self, body: dict, model: str | None = None, messages_api: bool = False
+                  ) -> list[dict]:
         """Rewrite `body` in place; return one record per moved value (empty: untouched).
-        `model` (the request's, after aliases) picks whose learned templates apply."""
+        `model` (the request's, after aliases) picks whose learned templates apply.
+        `messages_api`: `body` is an Anthropic Messages request (`system` at the top level,
+        content as blocks); else a chat request."""
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or _already_done(msgs):
+        if not isinstance(msgs, list) or not msgs:
             return []
+        if messages_api:
+            if _messages_done(body):
+                return []
+            texts = [("system", holder, field) for holder, field in _system_fields(body)]
+        else:
+            if _already_done(msgs):
+                return []
+            texts = []
+        roles, first = self.roles, self.cfg["scan_first"]
+        for i, msg in enumerate(msgs):          # by role, or among the first `scan_first`
+            if isinstance(msg, dict) and (msg.get("role") in roles or (
+                    i < first and msg.get("role") in ("user", "assistant"))):
+                texts += [(i, holder, field) for holder, field in _text_fields(msg)]
         learner = self.learner_for(model)
-        moved, lines = [], []
+        moved, lines, numbers = [], [], {}
         budget, number = self.cfg["max_moves"], 1     # number: the next placeholder's
-        for i, msg in enumerate(msgs):
-            if not isinstance(msg, dict) or not (msg.get("role") in self.roles or (
-                    i < self.cfg["scan_first"] and msg.get("role") in ("user", "assistant"))):
+        for where, holder, field in texts:
+            text = holder[field]
+            if len(text) > self.cfg["max_chars"]:
                 continue
-            for holder, field in _text_fields(msg):
-                text = holder[field]
-                if len(text) > self.cfg["max_chars"]:
-                    continue
-                found = self.plan(text, learner)[:budget - len(moved)]
-                if not found:
-                    continue
-                holder[field], new_lines, number = rewrite(text, found, number)
-                lines += new_lines
-                moved += [{"message": i, "label": f.label, "value": f.value, "type": f.type}
-                          for f in found]
+            found = self.plan(text, learner)[:budget - len(moved)]
+            if not found:
+                continue
+            new, new_lines, next_no = rewrite(text, found, number, numbers)
+            if messages_api and not new.strip():
+                # the whole text moved: Messages refuses an empty text block, so the values
+                # leave placeholders and their labels stay
+                new, new_lines, next_no = rewrite(text, [replace(f, cut=None) for f in found],
+                                                  number, numbers)
+            holder[field], number = new, next_no
+            lines += new_lines
+            moved += [{"message": where, "label": f.label, "value": f.value, "type": f.type}
+                      for f in found]
             if len(moved) >= budget:
                 break
         if moved:
-            attach(msgs, "\n".join(lines), self.cfg["move_to"])
+            block = "\n".join(lines)
+            if messages_api:
+                attach_messages(body, block, self.cfg["move_to"])
+            else:
+                attach(msgs, block, self.cfg["move_to"])
         return moved
 
 
@@ -258,24 +285,34 @@ def _merge(typed: list[Found], learned: list[Found]) -> list[Found]:
     return out
 
 
-def rewrite(text: str, found: list[Found], first_no: int) -> tuple[str, list[str], int]:
+def rewrite(text: str, found: list[Found], first_no: int, numbers: dict | None = None
+            ) -> tuple[str, list[str], int]:
     """Cut or replace each find; return the new text, the tail lines (in text order) and the
-    next placeholder number."""
+    next placeholder number. `numbers` (value -> its placeholder number, over one request)
+    gives a value that stood in several places one placeholder and one tail line."""
     parts, lines, prev, no = [], [], 0, first_no
+    numbers = {} if numbers is None else numbers
     for f in found:
         label = f.label.strip()
         sep = "：" if any(ord(c) > 0x2E80 for c in label) else ": "
+        if "\n" in f.value:                 # a block ("Status:\nM a.py\n?? b.py")
+            sep = sep.rstrip() + "\n"
         if f.cut is not None and f.cut[0] >= prev:
             parts.append(text[prev:f.cut[0]])
             prev = f.cut[1]
             lines.append(f"{label}{sep}{f.value}")
-        else:
-            start = max(f.start, prev)
-            parts.append(text[prev:start])
-            parts.append(f"⟨{no}⟩")
-            prev = f.end
-            lines.append(f"⟨{no}⟩ {label}{sep}{f.value}" if label else f"⟨{no}⟩{sep}{f.value}")
-            no += 1
+            continue
+        start = max(f.start, prev)
+        parts.append(text[prev:start])
+        prev = f.end
+        known = numbers.get(f.value)
+        if known is not None:
+            parts.append(f"⟨{known}⟩")
+            continue
+        parts.append(f"⟨{no}⟩")
+        numbers[f.value] = no
+        lines.append(f"⟨{no}⟩ {label}{sep}{f.value}" if label else f"⟨{no}⟩{sep}{f.value}")
+        no += 1
     parts.append(text[prev:])
     return "".join(parts), lines, no
 
@@ -295,6 +332,56 @@ def attach(msgs: list, lines: str, move_to: str) -> None:
                     return
                 break
     msgs.append({"role": "system", "content": block})
+
+
+def attach_messages(body: dict, lines: str, move_to: str) -> None:
+    """The tail block of a Messages request: appended to the last user message (to its last
+    block when that is text, else as a text block after its `tool_result` blocks, which must
+    come first), or to `system` with `move_to: system_tail` (Messages has no system role in
+    `messages`), or when no user message can take it."""
+    block = f"{OPEN}\n{lines}\n{CLOSE}"
+    if move_to == "last_user":
+        msg = next((m for m in reversed(body["messages"]) if isinstance(m, dict)
+                    and m.get("role") == "user"), None)
+        content = msg.get("content") if msg is not None else None
+        if isinstance(content, str):
+            msg["content"] = f"{content}\n\n{block}" if content else block
+            return
+        if isinstance(content, list):
+            last = content[-1] if content else None
+            if isinstance(last, dict) and last.get("type") == "text" and isinstance(
+                    last.get("text"), str):
+                last["text"] = f"{last['text']}\n\n{block}" if last["text"] else block
+            else:
+                content.append({"type": "text", "text": block})
+            return
+    system = body.get("system")
+    if isinstance(system, list):
+        system.append({"type": "text", "text": block})
+    else:
+        body["system"] = f"{system}\n\n{block}" if isinstance(system, str) and system else block
+
+
+def _system_fields(body: dict):
+    """(holder, key) pairs for each text of a Messages request's `system`: the string, or each
+    text block (its other keys, `cache_control` included, stay as they are). Claude Code's
+    per-request attribution block (`x-anthropic-billing-header: …`) is passed over: vLLM drops
+    it before rendering (`common/anthropic_messages.py`), so it never reaches the prompt."""
+    system = body.get("system")
+    if isinstance(system, str):
+        if system and not system.startswith(BILLING_HEADER):
+            yield body, "system"
+    elif isinstance(system, list):
+        for block in system:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(
+                    block.get("text"), str) and not block["text"].startswith(BILLING_HEADER):
+                yield block, "text"
+
+
+def _messages_done(body: dict) -> bool:
+    """A Messages request that carries a tail block already (idempotence)."""
+    return any(holder[field].endswith(CLOSE) for holder, field in _system_fields(body)) \
+        or _already_done(body["messages"])
 
 
 def _text_fields(msg: dict):
@@ -355,7 +442,7 @@ class Normalize(Plugin):
             if json.dumps(canon) != json.dumps(body["tools"]):
                 body["tools"] = canon
                 ctx.body_changed = True
-        moved = self.core.normalize(body, ctx.model)
+        moved = self.core.normalize(body, ctx.model, ctx.path.startswith(MESSAGES_PATH))
         ctx.normalized = True
         ctx.response_headers["x-prefixgate-moved"] = str(len(moved))
         if not moved:

@@ -8,7 +8,9 @@ The result must equal a full analysis, so the split is placed where nothing can 
 a newline at least `MARGIN` characters inside the shared suffix. Tokens never contain a
 newline; a label is looked for at most `detectors.WINDOW` characters before its value, and a
 clause never reaches past its own line — so everything after that newline sees identical
-text. Where a guarantee cannot be checked cheaply (a find reaching across the split, code
+text (an environment block reaches down its own lines only: one that starts above the split
+and runs past it makes the head's finds reach across, which sends the caller to a full
+analysis). Where a guarantee cannot be checked cheaply (a find reaching across the split, code
 spans that differ, custom rules) the caller falls back to a full analysis.
 
 The finds here are the detector's candidates: whether one is only mentioned (in a few-shot
@@ -26,14 +28,22 @@ BLOCK = 1024                # suffix compared block by block, from the end
 
 
 def common_suffix(a: str, b: str) -> int:
-    """Length of the longest common suffix of `a` and `b` (slices of BLOCK chars, then exact)."""
-    n = min(len(a), len(b))
+    """Length of the longest common suffix of `a` and `b`: slices of BLOCK chars from the end,
+    then a bisection over the last block (a suffix is common only if every shorter one is), so
+    the cost is a few memcmp-speed slice compares, not one Python step per character."""
+    la, lb = len(a), len(b)
+    n = min(la, lb)
     k = 0
-    while k + BLOCK <= n and a[len(a) - k - BLOCK:len(a) - k] == b[len(b) - k - BLOCK:len(b) - k]:
+    while k + BLOCK <= n and a[la - k - BLOCK:la - k] == b[lb - k - BLOCK:lb - k]:
         k += BLOCK
-    while k < n and a[len(a) - k - 1] == b[len(b) - k - 1]:
-        k += 1
-    return k
+    lo, hi = k, min(n, k + BLOCK)       # the suffix of length lo is common; none past hi is
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[la - mid:la - k] == b[lb - mid:lb - k]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def reuse(text: str, code, old_text: str, old_toks, old_statics, old_values, old_found,
@@ -50,7 +60,7 @@ def reuse(text: str, code, old_text: str, old_toks, old_statics, old_values, old
     if not _same_code_after(code, old_code, cut, old_cut, delta):
         return None
     head_toks, head_statics, head_values = scan(text[:cut])
-    found = detector.candidates(text, head_toks, code)
+    found = detector.candidates(text, head_toks, code, cut)
     if any(f.end > cut or (f.cut is not None and f.cut[1] > cut + 1) for f in found):
         return None
     i = bisect_left(old_toks, (old_cut, -1))

@@ -97,3 +97,21 @@ def test_code_spans_equal_the_reference_regex():
                      for _ in range(2000)]
     for t in texts:
         assert detectors.code_spans(t) == [m.span() for m in detectors._CODE.finditer(t)], t
+
+
+def test_common_suffix_equals_a_character_by_character_count():
+    from prefixgate.plugins.normalize.suffix_reuse import BLOCK, common_suffix
+
+    def naive(a: str, b: str) -> int:
+        k = 0
+        while k < min(len(a), len(b)) and a[-1 - k] == b[-1 - k]:
+            k += 1
+        return k
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        tail = "".join(rng.choice("ab\n") for _ in range(rng.choice([0, 1, 7, BLOCK - 1, BLOCK,
+                                                                     BLOCK + 1, 3 * BLOCK + 5])))
+        a = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40))) + tail
+        b = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40))) + tail
+        assert common_suffix(a, b) == naive(a, b), (a[-20:], b[-20:])
