@@ -6,6 +6,7 @@ import os
 import re
 import socket
 
+import anthropic
 import openai
 
 from tests.helpers import Serving
@@ -39,3 +40,28 @@ async def test_serve_with_no_config_answers_chat_requests(tmp_path):
         await client.close()
     with socket.socket() as s:                    # the engine went down with the gateway
         assert s.connect_ex(("127.0.0.1", engine_port)) != 0
+
+
+async def test_serve_with_no_config_answers_claude_code_style_messages(tmp_path):
+    env = {**os.environ, "PREFIXGATE_CACHE": str(tmp_path)}
+    async with Serving("--port", "0", env=env, timeout=120) as gw:
+        client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="none", max_retries=0)
+        system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1a2b;"},
+                  {"type": "text", "text": "You are a coding agent.\nToday's date: 2026-03-15",
+                   "cache_control": {"type": "ephemeral"}}]
+        ask = {"model": "smollm2", "max_tokens": 24, "system": system,
+               "messages": [{"role": "user", "content": "What is the capital of France?"}],
+               "extra_body": {"temperature": 0}}
+        whole = await client.messages.with_raw_response.create(**ask)
+        assert whole.headers["x-prefixgate-moved"] == "1"      # the date left the head
+        message = await whole.parse()
+        assert "Paris" in message.content[0].text, message
+        async with client.messages.stream(**ask) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == message.content[0].text
+        assert final.usage.cache_read_input_tokens > 0         # the same prompt, cached
+        counted = await client.messages.count_tokens(model="smollm2", system=system,
+                                                     messages=ask["messages"])
+        assert counted.input_tokens > 0
+        await client.close()
