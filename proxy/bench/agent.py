@@ -113,6 +113,10 @@ class AgentWorkload:
     engine: str = "bundled"          # bundled | vllm
     prefix_tokens: int | None = None  # messages: system prompt + tools as rendered (None: fit)
     context: int | None = None       # the model's context (messages; set when a run starts)
+    # the share of the sessions whose whole history one engine's KV cache holds (None: all of
+    # them). Below 1, caches are scarce, as an agent fleet's are: a backend holds the prefixes
+    # of some sessions, not of all, and round robin makes every backend hold every session's
+    kv_share: float | None = None
 
     def final_prompt_tokens(self) -> int:
         """A session's last prompt, with room for the chat template's tokens per message (for
@@ -135,10 +139,18 @@ class AgentWorkload:
                                f"for a system prompt in a {self.context}-token context")
         return room
 
+    def kv_sessions(self) -> int:
+        """Sessions whose whole history one engine's KV cache holds (`kv_share`)."""
+        return self.sessions if self.kv_share is None else max(
+            1, math.ceil(self.sessions * self.kv_share))
+
+    def kv_blocks(self, block_size: int) -> int:
+        return self.kv_sessions() * (-(-self.final_prompt_tokens() // block_size) + 1)
+
     def engine_args(self) -> list[str]:
-        # KV for every session's whole history on either engine: what the figures measure is
-        # what routing and warming keep cached, not what a small cache evicts
-        blocks = self.sessions * (-(-self.final_prompt_tokens() // self.block_size) + 1)
+        # KV for `kv_share` of the sessions' whole histories on either engine (default: all:
+        # then the figures measure what routing and warming keep cached, not what evicts)
+        blocks = self.kv_blocks(self.block_size)
         return ["--block-size", str(self.block_size), "--num-kv-blocks", str(blocks),
                 "--max-num-seqs", str(self.sessions + 4),
                 "--max-num-batched-tokens", str(self.batched_tokens), "--log-level", "warning"]
@@ -146,17 +158,20 @@ class AgentWorkload:
     def vllm_args(self) -> list[str]:
         # requests carry tools, which vLLM refuses without a tool parser; SmolLM2 names none,
         # and pythonic's needs no special tokens (as the seed scenario runs vLLM)
+        scarce = ([] if self.kv_share is None else
+                  ["--num-gpu-blocks-override", str(self.kv_blocks(VLLM_BLOCK))])
         return ["--max-model-len", str(self.context or self.final_prompt_tokens() + 256),
                 "--max-num-seqs", str(self.sessions + 4),
-                "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+                "--enable-auto-tool-choice", "--tool-call-parser", "pythonic", *scarce]
 
 
 def workload_for(api: str = "chat", **flags) -> AgentWorkload:
     """The workload of an API's scenario: chat's defaults, or Claude Code's shape for messages
-    (8 sessions of 10 turns, the prefix fitted to the context); `flags` given win."""
+    (8 sessions of 10 turns, the prefix fitted to the context, each engine's KV cache holding
+    3/4 of the sessions' histories); `flags` given win."""
     base = AgentWorkload(api=api)
     if api == "messages":
-        base = AgentWorkload(api=api, sessions=8, turns=10, tool_tokens=None)
+        base = AgentWorkload(api=api, sessions=8, turns=10, tool_tokens=None, kv_share=0.75)
     return target.given(base, **flags)
 
 
@@ -596,6 +611,14 @@ def comparison(cells: list[dict]) -> dict | None:
                     "p95_ratio": ratio is not None and ratio <= TARGET_RATIO}}
 
 
+def _kv_room(w: dict) -> str:
+    share = w.get("kv_share")
+    if share is None:
+        return "each with KV room for every session's history"
+    held = max(1, math.ceil(w["sessions"] * share))
+    return f"each with KV room for {held} of the {w['sessions']} sessions' histories"
+
+
 def print_agent(archive: dict) -> None:
     cfg = archive["config"]
     w = cfg["workload"]
@@ -611,7 +634,8 @@ def print_agent(archive: dict) -> None:
                  f"{w['answer_tokens']}-token answers")
     print(f"\nagent sessions: {w['sessions']} sessions x {w['turns']} turns through "
           f"{w['replicas']} gateway replicas (a round-robin L4 balancer, a connection per "
-          f"request) in front of {w['engines']} {engine} on the {cfg['model']} model; {shape}, "
+          f"request) in front of {w['engines']} {engine} on the {cfg['model']} model, "
+          f"{_kv_room(w)}; {shape}, "
           f"{w['tool_result_tokens']}-token tool results, tool pauses of "
           f"{w['think_ms'] / 1000:g} s and starts {w['start_gap_ms'] / 1000:g} s apart on "
           f"average; prefix_route {w['policy']} with {w.get('session_mode', 'soft')} sessions, "
