@@ -119,9 +119,11 @@ def test_a_batch_gives_what_each_prompt_gives_alone(engine, prompts, solo):
 # order, so a next token whose two best logits are close can go either way, and from there the
 # texts differ. Measured (AMD EPYC, one thread): the solo runs share with transformers'
 # bfloat16 runs the first 40, 33, 40 and 40 of 40 tokens; the same chats in one batch (with a
-# fifth) 19, 40, 40 and 35. So each run agrees on a first stretch, and most all the way.
+# fifth) 19, 40, 40 and 35. With transformers 5.24.0 (2026-12-05, the same on the code of
+# 2026-12-04) the solo runs share 19, 33, 24 and 40. So each run agrees on a first stretch,
+# and at least one all the way.
 BF16_AGREED_FLOOR = 12
-BF16_WHOLE_RUNS = 2
+BF16_WHOLE_RUNS = 1
 
 
 def test_bfloat16_agrees_with_transformers_bfloat16(prompts, reference):
