@@ -73,3 +73,16 @@ def up(m, name) -> bool:
 
 def blocks(m, name) -> float:
     return sample(m, "prefixgate_route_kv_index_blocks", upstream=name)
+
+
+class Recorder:
+    """A plugin (`tests.plugins.helpers:Recorder` in a chain) that keeps the RequestContext of
+    every request it sees, as the plugins before it left it."""
+    name = "recorder"
+    seen: list = []
+
+    def __init__(self, cfg, gw):
+        self.weight = 1.0
+
+    async def on_request(self, ctx):
+        Recorder.seen.append(ctx)

@@ -24,7 +24,7 @@ from prefixgate.plugins.prerender import (
     needs_system_first,
 )
 from tests.helpers import QWEN_STYLE_TEMPLATE, ServerThread, make_tiny_model, tiny_tokenizer
-from tests.plugins.helpers import metrics, sample
+from tests.plugins.helpers import Recorder, metrics, sample
 
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 6
 TOOLS = [{"name": "read_file", "description": "Read a file.",
@@ -139,18 +139,6 @@ def test_thinking_off_goes_through_the_templates_own_switch(tmp_path_factory, qw
 
 # --- through the gateway ---------------------------------------------------------------------
 
-class Recorder:
-    """A plugin after prerender (loaded as `module:Recorder`) that keeps what it sees."""
-    name = "recorder"
-    seen: list = []
-
-    def __init__(self, cfg, gw):
-        self.weight = 1.0
-
-    async def on_request(self, ctx):
-        Recorder.seen.append((ctx.path, ctx.tokens, ctx.block_hashes))
-
-
 @pytest.fixture(scope="module")
 def qwen_model(tmp_path_factory):
     d = make_tiny_model(tmp_path_factory.mktemp("qwen"), "qwen2")
@@ -170,7 +158,7 @@ async def test_token_ids_equal_the_bundled_engines_chat_render(engine, qwen_mode
     gw = await make_gateway({"upstreams": [{"name": "e", "url": engine.url}],
                              "model": {"tokenizer": str(qwen_model)},
                              "plugins": [{"prerender": {"block_tokens": 16}},
-                                         {f"{__name__}:Recorder": {}},
+                                         {"tests.plugins.helpers:Recorder": {}},
                                          {"prefix_route": {"block_tokens": 16}}]})
     Recorder.seen.clear()
     body = BODY
@@ -184,7 +172,8 @@ async def test_token_ids_equal_the_bundled_engines_chat_render(engine, qwen_mode
             assert r.status == 200, await r.text()
             expected = (await r.json())["tokens"]
         m = await metrics(client, gw)
-    (path, tokens, hashes), = Recorder.seen
+    (seen,) = Recorder.seen
+    path, tokens, hashes = seen.path, seen.tokens, seen.block_hashes
     assert path == "/v1/messages" and tokens == expected and len(tokens) > 100
     assert hashes == block_hash_chain(expected, 16)
     assert f"blocks={len(tokens) // 16}" in route          # prefix_route keyed on them

@@ -14,7 +14,7 @@ from prefixgate.plugins.prerender import PromptCache
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
 from tests.helpers import QWEN_STYLE_TEMPLATE, tiny_tokenizer
-from tests.plugins.helpers import PLAIN_TEMPLATE
+from tests.plugins.helpers import PLAIN_TEMPLATE, Recorder
 
 SYSTEM = ("You are a careful assistant for Northwind Cloud.\n  Rules:\n1. Be brief.  \n"
           "2. 用中文或英文回答。\n\n") * 20
@@ -160,18 +160,6 @@ def test_prerender_needs_a_tokenizer(tmp_path):
     assert e.value.path == "plugins[0].prerender.block_tokens"
 
 
-class Recorder:
-    """A third-party plugin (loaded as `module:Recorder`) that keeps what it sees."""
-    name = "recorder"
-    seen: list = []
-
-    def __init__(self, cfg, gw):
-        self.weight = 1.0
-
-    async def on_request(self, ctx):
-        Recorder.seen.append((ctx.tokens, ctx.block_hashes))
-
-
 @pytest.mark.parametrize("inline_chars", [0, 1 << 20])       # in a thread / on the loop
 async def test_tokens_and_block_hashes_reach_the_context(
         chatml_dir, make_standin, make_gateway, inline_chars):
@@ -180,7 +168,7 @@ async def test_tokens_and_block_hashes_reach_the_context(
                              "model": {"tokenizer": str(chatml_dir)},
                              "plugins": [{"prerender": {"inline_chars": inline_chars,
                                                         "block_tokens": 8}},
-                                         {f"{__name__}:Recorder": {}}]})
+                                         {"tests.plugins.helpers:Recorder": {}}]})
     Recorder.seen.clear()
     tok = Tokenizer.from_dir(chatml_dir)
     parts = [{"role": "system", "content": [{"type": "text", "text": SYSTEM[:50]},
@@ -197,5 +185,5 @@ async def test_tokens_and_block_hashes_reach_the_context(
             assert r.status == 200
     expected = [_whole(tok, m) for m in convs[:2]] + [
         _whole(tok, CONVERSATIONS["one_turn"])] + [tok.encode("plain text prompt")]
-    assert [t for t, _ in Recorder.seen] == expected
-    assert [h for _, h in Recorder.seen] == [block_hash_chain(t, 8) for t in expected]
+    assert [c.tokens for c in Recorder.seen] == expected
+    assert [c.block_hashes for c in Recorder.seen] == [block_hash_chain(t, 8) for t in expected]

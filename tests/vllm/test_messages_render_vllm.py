@@ -12,6 +12,7 @@ import pytest
 
 from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.proxy.testing.vllm_install import prepare_model
+from tests.plugins.helpers import Recorder
 from tests.vllm.conftest import SERVED_NAME
 from tests.vllm.helpers import send
 
@@ -42,23 +43,12 @@ BODY = {
         {"role": "user", "content": "Go on."}]}
 
 
-class Recorder:
-    """A plugin after prerender (loaded as `module:Recorder`) that keeps the token ids."""
-    name = "recorder"
-    seen: list = []
-
-    def __init__(self, cfg, gw):
-        self.weight = 1.0
-
-    async def on_request(self, ctx):
-        Recorder.seen.append(ctx.tokens)
-
-
 async def test_messages_token_ids_are_vllms(vllm_pair, make_gateway):
     server = vllm_pair[0]
     gw = await make_gateway({"upstreams": [{"name": "vllm0", "url": server.url}],
                              "model": {"tokenizer": str(prepare_model())},
-                             "plugins": [{"prerender": {}}, {f"{__name__}:Recorder": {}}]})
+                             "plugins": [{"prerender": {}},
+                                         {"tests.plugins.helpers:Recorder": {}}]})
     Recorder.seen.clear()
     chat = to_chat(BODY)    # SmolLM2's template takes inline system messages: none merged
     counted = {k: v for k, v in BODY.items() if k not in ("max_tokens", "temperature")}
@@ -70,7 +60,8 @@ async def test_messages_token_ids_are_vllms(vllm_pair, make_gateway):
     assert answer.status == 200, answer.raw
     assert json.loads(answer.raw)["type"] == "message"
     assert tokenized.status == 200 and count.status == 200, (tokenized.raw, count.raw)
-    (tokens,) = Recorder.seen
+    (seen,) = Recorder.seen
+    tokens = seen.tokens
     assert tokens == json.loads(tokenized.raw)["tokens"]
     assert len(tokens) == json.loads(count.raw)["input_tokens"]
     usage = json.loads(answer.raw)["usage"]       # the prompt vLLM answered: the same length
