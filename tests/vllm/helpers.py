@@ -16,6 +16,13 @@ from tests.vllm.conftest import SERVED_NAME
 VOLATILE = re.compile(rb'"(id|item_id|request_id|created|created_at)":("[^"]*"|\d+)')
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": SERVED_NAME, "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+# an agent's turn for the Messages tests: a tool and the assistant's call of it
+READ_FILE = {"name": "read_file", "description": "Read a file of the repository.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                              "required": ["path"]}}
+READS_README = {"role": "assistant", "content": [
+    {"type": "text", "text": "Let me read it."},
+    {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "README.md"}}]}
 
 
 def stable(raw: bytes) -> bytes:

@@ -14,7 +14,7 @@ from prefixgate.common.anthropic_messages import to_chat
 from prefixgate.proxy.testing.vllm_install import prepare_model
 from tests.plugins.helpers import Recorder
 from tests.vllm.conftest import SERVED_NAME
-from tests.vllm.helpers import send
+from tests.vllm.helpers import READ_FILE, READS_README, send
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -23,18 +23,12 @@ BODY = {
     "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.90; cch=7e"},
                {"type": "text", "text": "You are a coding agent in a Python repository. " * 6,
                 "cache_control": {"type": "ephemeral"}}],
-    "tools": [{"name": "read_file", "description": "Read a file of the repository.",
-               "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                                "required": ["path"]}},
-              {"name": "list_dir", "input_schema": {"type": "object"}}],
+    "tools": [READ_FILE, {"name": "list_dir", "input_schema": {"type": "object"}}],
     "messages": [
         {"role": "user", "content": [
             {"type": "text", "text": "<system-reminder>Use the tools.</system-reminder>"},
             {"type": "text", "text": "What does the README say?"}]},
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Let me read it."},
-            {"type": "tool_use", "id": "toolu_01", "name": "read_file",
-             "input": {"path": "README.md"}}]},
+        READS_README,
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "toolu_01",
              "content": [{"type": "text", "text": "prefixgate cuts time to first token."}]},

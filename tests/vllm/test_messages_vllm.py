@@ -13,21 +13,16 @@ import pytest
 
 from prefixgate.proxy.testing.vllm_install import prepare_model
 from tests.vllm.conftest import SERVED_NAME
-from tests.vllm.helpers import upstreams
+from tests.vllm.helpers import READ_FILE, READS_README, upstreams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-TOOLS = [{"name": "read_file", "description": "Read a file of the repository.",
-          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                           "required": ["path"]}}]
+TOOLS = [READ_FILE]
 SYSTEM = [{"type": "text", "text": "You are a coding agent. Answer in one short sentence. " * 8,
            "cache_control": {"type": "ephemeral"}}]
 HISTORY = [
     {"role": "user", "content": "What does the README say?"},
-    {"role": "assistant", "content": [
-        {"type": "text", "text": "Let me read it."},
-        {"type": "tool_use", "id": "toolu_01", "name": "read_file",
-         "input": {"path": "README.md"}}]},
+    READS_README,
     {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_01",
          "content": "prefixgate cuts time to first token."},
