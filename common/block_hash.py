@@ -16,6 +16,13 @@ ROOT_HASH = 0          # the parent hash of a chain's first block
 _h64 = xxhash.xxh64_intdigest
 
 
+def salted_root(cache_salt: str | None) -> int:
+    """The parent hash of the first block of a request carrying vLLM's `cache_salt`: the salt
+    is folded into the first block's hash, so requests share cached blocks only when their
+    salts are equal (no salt, or an empty one: ROOT_HASH, the unsalted chain)."""
+    return _h64(b"cache_salt\0" + cache_salt.encode()) if cache_salt else ROOT_HASH
+
+
 def hash_block(parent_hash: int, token_ids) -> int:
     """The chained hash of one full block."""
     return _h64(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
