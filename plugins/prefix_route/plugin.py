@@ -16,6 +16,8 @@ as `least_inflight`. The plugin reads its settings and builds its pieces:
     sessions.py     `session:` (on by default): a session's requests — a session header,
                     `prompt_cache_key`, Claude Code's `metadata.user_id` — to one upstream,
                     by rendezvous hashing
+    parity.py       `parity:` (on by default): the cached tokens predicted for the chosen
+                    upstream against those its answer reports, per upstream and model
     load_poll.py    `poll_metrics_s`: the backends' own load, which every scorer reads
                     through `Upstream.load` (all gateway replicas see it alike)
 
@@ -37,6 +39,8 @@ from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.kv_subscriber import KVEventFeeds
 from prefixgate.plugins.prefix_route.llamacpp import SlotPinning
 from prefixgate.plugins.prefix_route.load_poll import LoadPoller
+from prefixgate.plugins.prefix_route.parity import SPEC as PARITY_SPEC
+from prefixgate.plugins.prefix_route.parity import Parity
 from prefixgate.plugins.prefix_route.predicted_ttft import PredictedTTFT
 from prefixgate.plugins.prefix_route.scorer import PrefixScorer
 from prefixgate.plugins.prefix_route.sessions import SPEC as SESSION_SPEC
@@ -79,6 +83,7 @@ SPEC = {
     "prior_overhead_ms": Key((int, float, type(None)), None, non_negative),
     "fit_half_life_s": Key((int, float), 15.0, positive),   # how fast old answers fade
     "session": Key(dict, dict, nested=SESSION_SPEC),   # session affinity (sessions.py): on
+    "parity": Key(dict, dict, nested=PARITY_SPEC),     # predicted vs reported cache (parity.py)
     "weight": Key((int, float), 1.0, positive),
 }
 
@@ -106,8 +111,10 @@ class PrefixRoute(Plugin):
                             if self.policy != "chwbl" else None)
         self.scorer = self._scorer(gw)
         self.predicted = self.scorer if isinstance(self.scorer, PredictedTTFT) else None
-        # predicted_ttft learns from a stream's usage event, its last
-        self.keeps_stream_tail = self.predicted is not None
+        self.parity = (Parity(gw.registry, c) if c["parity"]["enabled"]
+                       and self.approximate is not None else None)
+        # predicted_ttft learns from a stream's usage event, its last; parity compares it
+        self.keeps_stream_tail = self.predicted is not None or self.parity is not None
         self.slots = SlotPinning(self.keying, c["llamacpp_slots"]) if c["llamacpp_slots"] else None
         self.blocks = Counter("prefixgate_route_prefix_blocks", "Prompt blocks routed (total) "
                               "and, but for chwbl, found in the chosen upstream's index "
@@ -161,14 +168,20 @@ class PrefixRoute(Plugin):
         failed over, or failed, is recorded where it really ran, or not at all). A P/D
         request's prompt was computed by its prefill upstream (proxy/pd.py).
         """
+        if self.parity is not None and ctx.upstream is not None:
+            # what the index predicted, taken before this request joins it
+            self.parity.predict(ctx, self.keys(ctx), ctx.upstream)
         self.record(ctx)
         if self.predicted is not None:
             self.predicted.answered(ctx)
 
     def on_finish(self, ctx, error) -> None:
-        """predicted_ttft: off its upstream's queue if it failed, else learn from it."""
+        """predicted_ttft: off its upstream's queue if it failed, else learn from it; parity:
+        the predicted cached tokens against the answer's."""
         if self.predicted is not None:
             self.predicted.finished(ctx, error)
+        if self.parity is not None:
+            self.parity.compare(ctx, error)
 
     def keys(self, ctx) -> Keys:
         """The request's prefix keys, computed once per request."""
