@@ -15,7 +15,17 @@ from prometheus_client import CollectorRegistry
 
 from prefixgate.common.errors import HTTPError, shape_for
 from prefixgate.common.runtime import encode_body, json_errors_middleware
-from prefixgate.proxy import admin, guard, pd, relay, response_ids, route, token_forward, warm
+from prefixgate.proxy import (
+    admin,
+    guard,
+    isolation,
+    pd,
+    relay,
+    response_ids,
+    route,
+    token_forward,
+    warm,
+)
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.config import reload
@@ -44,6 +54,7 @@ class Gateway:
         self.health = Health(config["health"], self)
         self.discovery = Discovery(config.get("discovery"), self)
         self.auth = Auth(config["auth"])
+        self.isolation = isolation.for_config(config, self.auth.keys)
         self.limits = RateLimits(config["rate_limits"], self.auth.keys)
         self.plugin_owned: dict = {}        # plugin -> (its collectors, its connect hooks)
         self.plugin_keys: list = []         # [(config key, plugin)] in chain order
@@ -237,10 +248,11 @@ class Gateway:
     # --- exchange ---------------------------------------------------------------------------
     async def forward(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
         """Send to the chosen upstream; before the first byte, fail over to another one."""
-        data = encode_body(ctx.body) if ctx.body_changed else ctx.raw_body
         if not ctx.endpoint.replayable:
             data = guard.capped(multipart.iter_body(ctx.raw_body, request.content),
                                 self.config["limits"]["max_body_bytes"])
+        else:
+            data = self._body_for(ctx)
         while True:
             ctx.attempts += 1
             try:
@@ -258,3 +270,10 @@ class Gateway:
                     ctx.upstream = self.decide(ctx, ctx.tried)
                 except HTTPError as no_other:
                     raise (failed if no_other.status == 503 else no_other) from None
+                if ctx.endpoint.replayable:
+                    data = self._body_for(ctx)
+
+    def _body_for(self, ctx: RequestContext) -> bytes:
+        """The bytes `ctx.upstream` is sent: with or without the salt, as it takes it."""
+        self.isolation.fit(ctx, ctx.upstream)
+        return encode_body(ctx.body) if ctx.body_changed else ctx.raw_body

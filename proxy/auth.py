@@ -21,6 +21,9 @@ KEY = {
     "priority": Key(int, None),                     # admission priority for this key
     "rate_limit": Key(dict, None, nested=RATE),
     "upstream_headers": Key(dict, dict),            # sent upstream for this key (credentials)
+    # the tenant whose prefix cache this key shares (isolation: per_key, proxy/isolation.py);
+    # none: the key is a tenant of its own
+    "cache_group": Key(str, None, lambda v: None if v else "must be a non-empty name"),
 }
 
 SPEC = {
@@ -37,6 +40,7 @@ class ApiKey:
     priority: int | None
     upstream_headers: dict[str, str]
     limit: Limit | None = None
+    cache_group: str | None = None
 
     @property
     def replaced(self) -> frozenset[str]:
@@ -69,7 +73,8 @@ def parse_keys(cfg: dict) -> list[ApiKey]:
             digest = digest_of(raw)
         keys.append(ApiKey(digest, entry["name"] or f"key{i}", entry["priority"],
                            {str(k): str(v) for k, v in entry["upstream_headers"].items()},
-                           Limit.of(entry["rate_limit"] or cfg["rate_limit"])))
+                           Limit.of(entry["rate_limit"] or cfg["rate_limit"]),
+                           entry["cache_group"]))
     if not keys:
         raise ConfigError("auth.api_keys", "must list at least one key")
     return keys

@@ -24,6 +24,8 @@ class RequestContext:
     model: str | None = None                   # the body's model (after model_aliases)
     stream: bool = False
     priority: int = 0
+    cache_salt: str | None = None              # the salt its prefix is cached under (vLLM's
+                                               # cache_salt: proxy/isolation.py), None: none
     # monotonic stamps: received, parsed, plugins_done, routed, admitted, upstream_sent,
     # first_byte, done
     t: dict[str, float] = field(default_factory=dict)

@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from prefixgate.common.cache_control import CacheControlError, breakpoints
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.runtime import parse_json_object
 from prefixgate.proxy import guard, warm
@@ -21,6 +22,9 @@ async def parse(gw, request: web.Request, ctx: RequestContext) -> None:
     response's upstream."""
     authenticate(gw, ctx)
     await _read(gw, request, ctx)
+    if ctx.endpoint.prompt:
+        check_cache_control(ctx.body)
+    gw.isolation.apply(ctx)                  # the tenant's cache_salt
     await gw.limits.admit(ctx)               # per model too: after the body names it
     if ctx.endpoint.prompt and warm.requested(ctx):
         warm.prepare(ctx)                    # its prompt alone is computed
@@ -34,6 +38,15 @@ def authenticate(gw, ctx: RequestContext) -> None:
     if key is not None:
         ctx.key = key
         ctx.priority = key.priority or 0
+
+
+def check_cache_control(body: dict) -> None:
+    """A malformed `cache_control` is the client's error, answered before anything is sent
+    (routing reads the breakpoints; the engine keeps their prefixes)."""
+    try:
+        breakpoints(body)
+    except CacheControlError as e:
+        raise HTTPError(400, str(e), code="invalid_request") from None
 
 
 def _follow_response(gw, request: web.Request, ctx: RequestContext) -> None:

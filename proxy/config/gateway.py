@@ -30,7 +30,7 @@ from prefixgate.common.schema import (
     one_of,
     positive,
 )
-from prefixgate.proxy import auth, pd, rate_limits, response_ids
+from prefixgate.proxy import auth, isolation, pd, rate_limits, response_ids
 from prefixgate.proxy.observe import access_log
 from prefixgate.proxy.upstream import discovery, health
 from prefixgate.proxy.upstream.upstreams import TIMEOUTS, check_upstreams
@@ -107,6 +107,9 @@ TOP = {
     # prefill/decode disaggregation: {protocol: vllm | sglang | prefixgate}, with upstreams of
     # `role: prefill` and `decode` (pd.py); without it every upstream must be `role: both`
     "pd": Key(dict, None),
+    # each tenant's prefix cache its own: {cache: per_key | shared, ...} (proxy/isolation.py);
+    # default per_key when auth.api_keys are set
+    "isolation": Key(dict, None),
 }
 
 
@@ -127,6 +130,7 @@ def validate(raw: Any) -> dict:
                                        "or `bundled:`")
     cfg["bundled"] = _bundled(cfg)
     cfg["pd"] = pd.validate(cfg)
+    cfg["isolation"] = isolation.validate(cfg)
     for i, item in enumerate(cfg["plugins"]):
         if not (isinstance(item, dict) and len(item) == 1) and not isinstance(item, str):
             raise ConfigError(f"plugins[{i}]", "must be a plugin name or a one-key mapping "

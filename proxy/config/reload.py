@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prefixgate.proxy import isolation
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
 from prefixgate.proxy.rate_limits import RateLimits
@@ -50,6 +51,7 @@ async def apply(gw, cfg: dict) -> None:
             await p.start()
     gw.chain = chain
     gw.auth = new_auth
+    gw.isolation = isolation.for_config(cfg, new_auth.keys)
     old_limits, gw.limits = gw.limits, RateLimits(cfg["rate_limits"], new_auth.keys,
                                                   old=gw.limits)
     await old_limits.close()            # its store connection, unless the new one took it
