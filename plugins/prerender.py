@@ -492,7 +492,7 @@ class Prerender(Plugin):
             except ValueError:        # the template will not end on an assistant turn
                 return None
             return r.tokens
-        self.gw.warmer.next_turn(up, ctx.model, ctx.request_id, render)
+        self.gw.warmer.next_turn(up, ctx.model, ctx.request_id, render, ctx.cache_salt)
 
 
 @dataclass(slots=True)

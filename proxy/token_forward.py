@@ -22,7 +22,7 @@ CHAT_ONLY = ("tools", "tool_choice", "functions", "function_call", "response_for
 SHARED = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "ignore_eos", "min_tokens", "logit_bias", "user",
-          "skip_special_tokens", "n")
+          "skip_special_tokens", "n", "cache_salt")
 
 
 def eligible(body: dict) -> bool:

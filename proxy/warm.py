@@ -109,34 +109,40 @@ class Warmer:
                 and up.max_inflight - up.inflight >= FREE_SLOTS)
 
     def next_turn(self, up, model: str | None, request_id: str,
-                  render: Callable[[], Awaitable[list[int] | None]]) -> bool:
+                  render: Callable[[], Awaitable[list[int] | None]],
+                  cache_salt: str | None = None) -> bool:
         """If `up` has room (else the warm request is dropped): the token ids `render` makes
-        (None: nothing to warm), sent to `up` as a one-token completion."""
+        (None: nothing to warm), sent to `up` as a one-token completion — under the turn's
+        `cache_salt`, so it warms its tenant's cache and no other (proxy/isolation.py)."""
         if not self.has_room(up):
             self.requests.labels("next_turn", "dropped").inc()
             return False
         self._busy.add(up.name)
-        task = asyncio.get_running_loop().create_task(self._send(up, model, request_id, render))
+        task = asyncio.get_running_loop().create_task(
+            self._send(up, model, request_id, render, cache_salt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _send(self, up, model, request_id: str, render) -> None:
+    async def _send(self, up, model, request_id: str, render, cache_salt) -> None:
         try:
             token_ids = await render()
             if not token_ids:
                 self.requests.labels("next_turn", "skipped").inc()
                 return
-            await self._complete(up, model, request_id, token_ids)
+            await self._complete(up, model, request_id, token_ids, cache_salt)
         finally:
             self._busy.discard(up.name)
 
-    async def _complete(self, up, model, request_id: str, token_ids: list[int]) -> None:
+    async def _complete(self, up, model, request_id: str, token_ids: list[int],
+                        cache_salt: str | None = None) -> None:
         """One warm request, an attempt like any other (proxy/exchange.py): counted in flight,
         its health outcome told, its span and access-log line written, marked `next_turn`."""
         body = {"prompt": token_ids, "max_tokens": 1, "temperature": 0}
         if model is not None:
             body["model"] = model
+        if cache_salt is not None and self.gw.isolation.takes_salt(up):
+            body["cache_salt"] = cache_salt
         ctx = RequestContext(request_id=f"{request_id}-warm", path=COMPLETIONS.path, body=body,
                              headers=CIMultiDictProxy(CIMultiDict()), endpoint=COMPLETIONS,
                              target=COMPLETIONS.path, model=model, upstream=up, warm="next_turn",
