@@ -20,7 +20,7 @@ import json
 import xxhash
 
 from prefixgate.common.anthropic_messages import to_chat
-from prefixgate.common.block_hash import chain_bytes
+from prefixgate.common.block_hash import chain_bytes, salted_root
 from prefixgate.proxy.lru import LRU
 
 # parent of a text chain's first block: never equal to a token chain's
@@ -34,17 +34,29 @@ def prompt_body(path: str, body: dict) -> dict:
     return to_chat(body) if path == MESSAGES_PATH else body
 
 
-def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> list[int]:
-    """The block-hash chain over bytes (the text fallback when no tokenizer is configured)."""
+def text_root(cache_salt: str | None) -> int:
+    """The parent of a text chain's first block under vLLM's `cache_salt` (None: TEXT_ROOT):
+    two tenants' equal prompts get unrelated keys, as the engine gives them unrelated blocks."""
+    if not cache_salt:
+        return TEXT_ROOT
+    return xxhash.xxh64_intdigest(TEXT_ROOT.to_bytes(8, "little")
+                                  + salted_root(cache_salt).to_bytes(8, "little"))
+
+
+def byte_hash_chain(data: bytes, block_bytes: int, max_blocks: int | None = None,
+                    root: int = TEXT_ROOT) -> list[int]:
+    """The block-hash chain over bytes (the text fallback when no tokenizer is configured);
+    `root`: the first block's parent (`text_root` of a salted request)."""
     n = len(data) // block_bytes
     if max_blocks is not None:
         n = min(n, max_blocks)
-    return chain_bytes(data, block_bytes, n, TEXT_ROOT)
+    return chain_bytes(data, block_bytes, n, root)
 
 
-def tail_hash(chain: list[int], rest: bytes) -> int:
-    """A key for a prompt shorter than one block: its bytes, chained after its full blocks."""
-    return xxhash.xxh64_intdigest((chain[-1] if chain else TEXT_ROOT).to_bytes(8, "little") + rest)
+def tail_hash(chain: list[int], rest: bytes, root: int = TEXT_ROOT) -> int:
+    """A key for a prompt shorter than one block: its bytes, chained after its full blocks
+    (or after `root`)."""
+    return xxhash.xxh64_intdigest((chain[-1] if chain else root).to_bytes(8, "little") + rest)
 
 
 # --- the canonical rendering -----------------------------------------------------------------

@@ -4,7 +4,10 @@ Over token ids (prerender's `ctx.tokens`, or a /v1/completions prompt given as i
 are the engine's own block-hash chain; without them, or when a dynamic value sits inside the
 prompt where token ids cannot be cut, a chain over the canonical text rendering (of a Messages
 request: of the chat request vLLM makes of it), cut at the first dynamic value (`dynamic_cut`).
-A prompt shorter than one block still gets a `short` key. The ring position mixes the
+A prompt shorter than one block still gets a `short` key. A request carrying vLLM's
+`cache_salt` (its tenant's: proxy/isolation.py) chains from the salted root, as the engine
+does (`salted_root`; the text chain from `text_root`), so two tenants' equal prompts get
+unrelated keys and the KV-event index's salted blocks match. The ring position mixes the
 request's model into a key, so two models — a base model and its LoRA adapter, whose KV blocks
 differ — never share a home.
 """
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain, salted_root
 from prefixgate.plugins.prefix_keys import (
     DynamicSpans,
     byte_hash_chain,
@@ -25,6 +28,7 @@ from prefixgate.plugins.prefix_keys import (
     render,
     render_parts,
     tail_hash,
+    text_root,
 )
 
 STATE_KEY = "prefix_route"          # where a request's Keys are kept (ctx.state)
@@ -68,19 +72,23 @@ class PrefixKeys:
         spans = self._dynamic_spans(ctx)
         tokens = ctx.tokens if ctx.tokens is not None else prompt_token_ids(ctx.body)
         body = prompt_body(ctx.path, ctx.body) if tokens is None or spans else ctx.body
+        salt = ctx.cache_salt
         if tokens is not None and not (spans and _has_dynamic(body, spans)):
             bt = self.block_tokens
-            if ctx.block_hashes is not None and ctx.block_tokens == bt:
+            root = salted_root(salt)
+            if ctx.block_hashes is not None and ctx.block_tokens == bt and not salt:
                 chain = ctx.block_hashes[:self.max_blocks]     # already hashed (prerender)
-            else:
-                chain = block_hash_chain(tokens, bt, self.max_blocks)
+            else:       # (prerender's hashes are unsalted: they are shared by its cache)
+                chain = block_hash_chain(tokens, bt, self.max_blocks, parent=root)
                 ctx.block_hashes, ctx.block_tokens = chain, bt
-            short = tail_hash([], array("q", tokens).tobytes()) if not chain and tokens else None
+            short = (tail_hash([], array("q", tokens).tobytes(), root)
+                     if not chain and tokens else None)
             return Keys("tokens", chain, short, False)
         # No tokens, or a dynamic value the token ids cannot be cut at: key on the text.
         data, cut = render(body, spans)
-        chain = byte_hash_chain(data, self.block_bytes, self.max_blocks)
-        short = tail_hash([], data) if not chain and data else None
+        root = text_root(salt)
+        chain = byte_hash_chain(data, self.block_bytes, self.max_blocks, root)
+        short = tail_hash([], data, root) if not chain and data else None
         return Keys("text", chain, short, cut)
 
     def _dynamic_spans(self, ctx) -> DynamicSpans | None:

@@ -17,8 +17,13 @@ mid-block) share those keys: each key keeps the engine blocks holding it, and go
 last of them does. Ignored and counted: a block size that is no
 multiple; a run whose parent was never seen (its `BlockStored` comes first, or it is the
 root); blocks whose hash took more than their tokens (an adapter: `lora_id`/`lora_name`;
-`extra_keys` of images or a cache salt), whose KV the same tokens would not reproduce; groups
-that are not full attention (`kv_cache_spec_kind`: a sliding window keeps no whole prefix).
+`extra_keys` of images or prompt embeddings), whose KV the same tokens would not reproduce;
+groups that are not full attention (`kv_cache_spec_kind`: a sliding window keeps no whole
+prefix). A salted prompt's blocks are indexed: vLLM folds `cache_salt` into the first block's
+hash only and publishes it as that block's `extra_keys` entry `[salt]` (its untagged
+`(cache_salt,)`; later blocks: None), so a run from the root with that entry is keyed from
+`salted_root(salt)` — the chain prefix_route computes for a request with that salt — and the
+blocks after it follow from their parent as any.
 The engine's hash of each block is kept only to apply `BlockRemoved`.
 
 Media: a block held on the device ("GPU") and in a second tier ("CPU", vLLM's offloading
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from prefixgate.common.block_hash import ROOT_HASH, block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain, salted_root
 
 MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # bits of the media a block is held in
 OTHER_MEDIUM = 4                          # a medium we do not know (disk, ...): still held
@@ -57,10 +62,24 @@ class Stored:
     kv_cache_spec_kind: str | None = None
 
     def plain(self) -> bool:
-        """Whether its blocks' KV follows from their tokens alone (see the module's doc)."""
-        return (self.lora_id is None and self.lora_name is None
-                and self.kv_cache_spec_kind in (None, FULL_ATTENTION)
-                and not any(k is not None for k in self.extra_keys or ()))
+        """Whether its blocks' KV follows from their tokens alone, but for a first block's
+        cache salt (see the module's doc)."""
+        if (self.lora_id is not None or self.lora_name is not None
+                or self.kv_cache_spec_kind not in (None, FULL_ATTENTION)):
+            return False
+        extra = self.extra_keys or ()
+        return all(k is None or (i == 0 and self.salt() is not None) for i, k in enumerate(extra))
+
+    def salt(self) -> str | None:
+        """The cache salt of a run that starts at the root: its first block's extra keys are
+        vLLM's untagged `(cache_salt,)` — one string (with no adapter, a lone string in the
+        extra keys can be nothing else: images are (identifier, offset) pairs, prompt
+        embeddings bytes)."""
+        first = self.extra_keys[0] if self.extra_keys else None
+        if (self.parent_block_hash is None and isinstance(first, (list, tuple))
+                and len(first) == 1 and isinstance(first[0], str) and first[0]):
+            return first[0]
+        return None
 
 
 @dataclass(slots=True)
@@ -217,7 +236,7 @@ class KVEventIndex:
     def _stored(self, name: str, engine: EngineBlocks, ev: Stored) -> None:
         n = len(ev.block_hashes)
         per_block, rest = divmod(ev.block_size, self.block_tokens)
-        parent = (ROOT_HASH if ev.parent_block_hash is None else
+        parent = (salted_root(ev.salt()) if ev.parent_block_hash is None else
                   engine.key_of.get(ev.parent_block_hash, (None,))[-1])
         if (not ev.plain() or rest or not per_block or parent is None
                 or len(ev.token_ids) != n * ev.block_size):

@@ -4,7 +4,7 @@ keyed by their token ids through the gateway's own block-hash chain."""
 import msgpack
 import pytest
 
-from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain, salted_root
 from prefixgate.plugins.prefix_route.kv_index import EventFormatError, KVEventIndex, decode_batch
 
 BS = 4
@@ -78,7 +78,8 @@ def test_runs_that_cannot_be_keyed_are_ignored_and_counted():
 
 @pytest.mark.parametrize("field, value", [
     ("lora_name", "sql-adapter"),                   # vLLM 0.32 keys adapters by name
-    ("extra_keys", [["salt-of-tenant-7"]]),         # a cache salt went into the block's hash
+    ("extra_keys", [[["mm-7f3a", 0]]]),             # an image's (identifier, offset)
+    ("extra_keys", [[b"\x01" * 32]]),               # prompt embeddings' digest
     ("kv_cache_spec_kind", "sliding_window"),       # a window keeps no whole prefix
 ])
 def test_blocks_whose_kv_is_not_their_tokens_alone_are_ignored(field, value):
@@ -152,3 +153,33 @@ def test_blocks_stored_after_a_clear_in_the_same_batch_are_kept():
     idx = index_with("a", stored([1], None, TOKENS[:4]), ["AllBlocksCleared"],
                      stored([2, 3], None, TOKENS[:8]))
     assert idx.match(CHAIN) == {"a": 2} and idx.size("a") == 2
+
+
+def salted(hashes, parent, tokens, extra_keys, **fields) -> dict:
+    """A BlockStored as vLLM 0.32 publishes a request with `cache_salt`: the first block's
+    extra keys its untagged `(cache_salt,)`, the later blocks' None."""
+    return {**as_map(stored(hashes, parent, tokens)), "extra_keys": extra_keys, **fields}
+
+
+def test_a_salted_prompts_blocks_are_indexed_under_the_salted_chain():
+    idx = KVEventIndex(BS, capacity=1000)
+    idx.apply("a", decode_batch(msgpack.packb([1.0, [
+        salted([b"s1", b"s2"], None, TOKENS[:8], [["tenant-a"], None]),
+        salted([b"s3"], b"s2", TOKENS[8:], [None])], 0])))      # its next turn: from the parent
+    assert idx.match(block_hash_chain(TOKENS, BS, parent=salted_root("tenant-a"))) == {"a": 3}
+    assert idx.match(CHAIN) == {}                                   # unsalted: not these blocks
+    assert idx.match(block_hash_chain(TOKENS, BS, parent=salted_root("tenant-b"))) == {}
+    assert idx.engines["a"].ignored == 0
+
+
+@pytest.mark.parametrize("event", [
+    salted([b"s2"], b"s1", TOKENS[4:8], [["tenant-a"]]),    # a salt past the first block
+    salted([b"s1"], None, TOKENS[:4], [["tenant-a"]], lora_name="sql-adapter"),  # + adapter
+    salted([b"s1"], None, TOKENS[:4], [["tenant-a", ["mm-7f3a", 0]]]),          # + image
+    salted([b"s1", b"s2"], None, TOKENS[:8], [["tenant-a"], ["tenant-a"]]),     # salt twice
+])
+def test_salts_vllm_would_not_publish_so_are_ignored(event):
+    idx = KVEventIndex(BS, capacity=1000)
+    idx.apply("a", decode_batch(msgpack.packb([1.0, [as_map(stored([b"s1"], None, TOKENS[:4])),
+                                                      event], 0])))
+    assert idx.engines["a"].ignored == len(event["block_hashes"])
