@@ -20,9 +20,12 @@ answer without a cached count (prefix caching off on vLLM reports none; a stream
 another upstream than the one that answers) are not compared.
 
 Metrics, labelled by upstream and model:
-- `prefixgate_route_cache_prediction_error` — reported − predicted cached tokens, signed:
-  below zero the engine held less than the router thought (eviction, a salt, caching off),
-  above zero more (its index missed what the engine holds: another tokenizer or template);
+- `prefixgate_route_cache_prediction_error{direction}` — |reported − predicted| cached tokens,
+  `direction` the sign: `fewer` (the engine held less than the router thought: eviction, a
+  salt, caching off), `more` (its index missed what the engine holds: another tokenizer or
+  template), `equal`. Absolute with a label, not signed: Prometheus clients drop a histogram's
+  _sum when a bucket bound is negative, and the sums give the mean gap:
+  (sum{more} − sum{fewer}) / count over all three;
 - `prefixgate_route_cache_predictions_total{outcome}` — each comparison once: `agree`
   (|gap| < `large_gap_tokens`), else `hit_none` (a hit predicted, none reported), `none_hit`
   (none predicted, a hit reported), `fewer`, `more` (both hits, the gap large).
@@ -46,8 +49,8 @@ SPEC = {
 
 STATE_KEY = "prefix_route.parity"      # a request's Prediction (ctx.state)
 OUTCOMES = ("agree", "hit_none", "none_hit", "fewer", "more")
-# signed tokens; ±0.5 set exact agreement apart from a gap of one token either way
-ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -0.5, 0.5, 16, 64, 256, 1024, 4096)
+# tokens apart; 0.5 sets exact agreement apart, 16 is one vLLM block
+ERROR_BUCKETS = (0.5, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @dataclass(slots=True)
@@ -67,10 +70,10 @@ class Parity:
         self.max_blocks = cfg["max_blocks"]
         self.large_gap = cfg["parity"]["large_gap_tokens"]
         self.errors = Histogram(
-            "prefixgate_route_cache_prediction_error", "Cached prompt tokens the upstream "
-            "reported minus those prefix_route predicted it held (signed; requests whose "
-            "answer reports cached tokens)", ["upstream", "model"], buckets=ERROR_BUCKETS,
-            registry=registry)
+            "prefixgate_route_cache_prediction_error", "|Cached prompt tokens the upstream "
+            "reported - those prefix_route predicted it held|, direction: more (reported "
+            "more), fewer, equal (requests whose answer reports cached tokens)",
+            ["upstream", "model", "direction"], buckets=ERROR_BUCKETS, registry=registry)
         self.outcomes = Counter(
             "prefixgate_route_cache_predictions", "Predicted vs reported cached tokens: agree "
             "(gap below large_gap_tokens), hit_none (hit predicted, none reported), none_hit "
@@ -99,8 +102,9 @@ class Parity:
         if reported is None or (prompt is None and p.prompt is None):
             return              # the upstream reports no cached count: nothing to compare
         predicted = self.predicted_tokens(p, prompt)
-        model = ctx.model or ""
-        self.errors.labels(p.upstream, model).observe(reported - predicted)
+        model, gap = ctx.model or "", reported - predicted
+        direction = "more" if gap > 0 else "fewer" if gap < 0 else "equal"
+        self.errors.labels(p.upstream, model, direction).observe(abs(gap))
         self.outcomes.labels(p.upstream, model, self.outcome(predicted, reported)).inc()
 
     def predicted_tokens(self, p: Prediction, reported_prompt: int | None) -> int:
