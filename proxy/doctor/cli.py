@@ -7,8 +7,9 @@
 the inter-chunk arrival pattern (buffering, compression);
 (b) the same request twice: does the prefix cache work? (c) per-request values in the
 prompt's head and where two requests diverge; (d) KV usage and preemptions from /metrics;
-(e) a verdict per finding, with the fix. Exit status: 0 clean, 1 problems found, 2 could not
-run (unreachable URL, unreadable request file).
+(r) behind a prefixgate gateway, the upstream whose reported cached tokens disagree with the
+router's predictions (parity.py); (e) a verdict per finding, with the fix. Exit status: 0
+clean, 1 problems found, 2 could not run (unreachable URL, unreadable request file).
 
 Everything is judged for one model at a time: the probes go to `--model`, else the first
 request's `model`, else the first of /v1/models; the engine's metrics are read for that model
@@ -33,6 +34,7 @@ from prefixgate.proxy.bench.prompts import load_tokenizer, words
 from prefixgate.proxy.bench.target import TargetError, auth_headers, base_url, pick_model
 from prefixgate.proxy.doctor import checks as checks
 from prefixgate.proxy.doctor import scrape as pm
+from prefixgate.proxy.doctor.parity import route_parity
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
 from prefixgate.proxy.doctor.trace import trace_stream
 
@@ -132,6 +134,8 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
         hist = pm.histogram(m_end or {}, "server_ttft")
         found.insert(1, checks.client_vs_server(stream.ttft, server, hist and hist[0]))
         found.insert(2, checks.ttft_breakdown(stream.ttft, stream.server_timing))
+        # the gateway's own /metrics (URL's, whatever --metrics-url says): its parity metrics
+        found += route_parity(await snapshot(session, base, "/metrics", headers))
     found += prompt_findings(bodies, tokenizer, args.model, model)
     found += checks.engine_state(m_start, m_end)
     return found
