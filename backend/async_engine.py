@@ -109,11 +109,13 @@ class AsyncEngine:
         return f"req-{self._ids}-{time.monotonic_ns()}"
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 arrival_time: float | None = None, kv_hold: str | None = None) -> RequestStream:
+                 arrival_time: float | None = None, kv_hold: str | None = None,
+                 cache_salt: str | None = None, cache_pins=()) -> RequestStream:
         request_id = request_id or self.new_request_id()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self.engine.add_request(request_id, prompt_ids, params, arrival_time, kv_hold)
+        self.engine.add_request(request_id, prompt_ids, params, arrival_time, kv_hold,
+                                cache_salt, cache_pins)
         self._notify()
         return stream
 

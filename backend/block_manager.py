@@ -21,13 +21,29 @@ hits. A load stops at the first block that fails its checksum: from there the pr
 KV events (backend/kv_events.py): with a sink in `events`, a block entering the prefix cache
 (computed, or loaded from the tier) is recorded as stored on the "GPU" medium, and a cached
 block handed out for new KV as removed; the engine publishes them after the step.
+
+cache_salt (vLLM's): a sequence's first block chains from `salted_root(salt)` instead of
+ROOT_HASH, so every hash of a salted prompt differs from the same tokens' under another salt
+(or none): the device cache and the second tier, both keyed and checked by (hash, parent hash,
+tokens), serve a block only to a request with the same salt.
+
+cache_control pins (backend/cache_pins.py): once the blocks up to a sequence's breakpoint are
+cached, their hashes are pinned until now + ttl. A pinned block whose last reference goes waits
+in `pinned_free`, not in the LRU queue: it is handed out only when the queue is empty, the
+soonest-expiring first, and with a second tier it is copied there first. Expired pins are
+checked whenever blocks are taken or given back; such a block rejoins the queue at its front
+(the client's promise to reuse it ran out, so it is the least likely block to be hit).
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixgate.backend.cache_pins import CachePins
+from prefixgate.backend.config import DEFAULT_CACHE_PIN_FRACTION
 from prefixgate.backend.kv_events import MEDIUM_GPU
 from prefixgate.backend.sequence import Sequence
 from prefixgate.common.block_hash import ROOT_HASH, hash_block
@@ -43,6 +59,7 @@ class Block:
     hash: int | None = None           # set while the block is in the prefix cache
     parent_hash: int = ROOT_HASH
     token_ids: tuple[int, ...] = ()
+    salt: str | None = None           # a salted sequence's first block: its cache_salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +81,12 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tier: KVTier | None = None):
+                 tier: KVTier | None = None, pin_fraction: float = DEFAULT_CACHE_PIN_FRACTION,
+                 clock=time.monotonic):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if not 0 <= pin_fraction <= 1:
+            raise ValueError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -78,14 +98,18 @@ class BlockManager:
         self.prefix_hits = 0                   # of which were served from it (or the tier)
         self.tier = tier                       # the second KV tier, if any
         self.events: KVEventSink | None = None   # where KV events go, when they are published
+        self.pins = CachePins(int(num_blocks * pin_fraction))
+        self.pinned_free: dict[int, None] = {}     # free blocks whose hash is pinned
+        self.clock = clock                         # the pins' time (seconds)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Blocks an allocation may take: pinned free blocks too (pins give way under need)."""
+        return len(self.free_queue) + len(self.pinned_free)
 
     def usage(self) -> float:
         """Fraction of blocks held by sequences (0..1); freed cached blocks count as free."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -127,16 +151,17 @@ class BlockManager:
         tokens they hold count computed. Returns False, changing nothing, when too few blocks are
         free.
         """
+        self._expire_pins()
         cached_blocks = match.block_ids if match is not None else []
         new = self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached_blocks)
         revived = sum(1 for bid in cached_blocks if self.blocks[bid].ref_count == 0)
-        if max(new, 0) + revived > len(self.free_queue):
+        if max(new, 0) + revived > self.num_free_blocks:
             return False
         admitted = not seq.block_table
         for bid in cached_blocks:
             block = self.blocks[bid]
             if block.ref_count == 0:
-                del self.free_queue[bid]
+                self._unfree(bid)
             block.ref_count += 1
             seq.block_table.append(bid)
         for _ in range(new):
@@ -149,6 +174,7 @@ class BlockManager:
             seq.num_hashed_blocks = n
             self.prefix_queries += len(seq)
             self.prefix_hits += seq.num_cached_tokens
+            self._pin_cached(seq)
         return True
 
     def _load_from_tier(self, seq: Sequence, first: int, count: int) -> int:
@@ -163,6 +189,7 @@ class BlockManager:
             if block_hash not in self.cached:
                 block = self.blocks[bid]
                 block.hash, block.parent_hash, block.token_ids = block_hash, parent, token_ids
+                block.salt = seq.cache_salt if parent == seq.root_hash else None
                 self.cached[block_hash] = bid
                 self._record_cached(block)
         return loaded
@@ -180,21 +207,76 @@ class BlockManager:
             if h in self.cached or block.hash is not None:
                 continue    # the same prefix is already cached in another block
             block.hash = h
-            block.parent_hash = seq.block_hashes[i - 1] if i else ROOT_HASH
+            block.parent_hash = seq.block_hashes[i - 1] if i else seq.root_hash
             block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.salt = seq.cache_salt if i == 0 else None
             self.cached[h] = block.block_id
             self._record_cached(block)
         seq.num_hashed_blocks = n_full
+        self._pin_cached(seq)
 
     def _record_cached(self, block: Block) -> None:
         """KV event: `block` entered the prefix cache."""
         if self.events is not None:
-            self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_GPU)
+            self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_GPU,
+                               block.salt)
+
+    # --- cache_control pins (backend/cache_pins.py) ----------------------------------------
+
+    def _pin_cached(self, seq: Sequence) -> None:
+        """Pin the prefix of each of `seq`'s breakpoints whose blocks are all cached by now."""
+        if not self.enable_prefix_caching:
+            return
+        while seq.num_pins_applied < len(seq.cache_pins):
+            num_tokens, ttl = seq.cache_pins[seq.num_pins_applied]
+            n = num_tokens // self.block_size
+            if n > seq.num_hashed_blocks:
+                return
+            seq.num_pins_applied += 1
+            # up to the first block not cached (a twin's eviction): a later one serves no hit
+            hashes = list(itertools.takewhile(self.cached.__contains__, seq.block_hashes[:n]))
+            new, ended = self.pins.pin(hashes, self.clock() + ttl)
+            for h in new:       # a twin's copy of the prefix may be free already
+                bid = self.cached[h]
+                if bid in self.free_queue:
+                    del self.free_queue[bid]
+                    self.pinned_free[bid] = None
+            for h in ended:
+                self._unpinned(h)
+
+    def _expire_pins(self) -> None:
+        for h in self.pins.expired(self.clock()):
+            self._unpinned(h)
+
+    def _unpinned(self, block_hash: int) -> None:
+        """A pin ended: its block, if free, joins the LRU queue at the front (module doc)."""
+        bid = self.cached.get(block_hash)
+        if bid is not None and bid in self.pinned_free:
+            del self.pinned_free[bid]
+            self.free_queue[bid] = None
+            self.free_queue.move_to_end(bid, last=False)
+
+    def _unfree(self, bid: int) -> None:
+        """Take a free block (a cache hit revives it) out of whichever free list holds it."""
+        if bid in self.pinned_free:
+            del self.pinned_free[bid]
+        else:
+            del self.free_queue[bid]
+
+    def pin_stats(self) -> dict:
+        """Pinned blocks and their expiries in seconds from now (for /metrics; read-only)."""
+        span = self.pins.span()
+        now = self.clock()
+        return {"cache_pinned_blocks": len(self.pins),
+                "cache_pin_soonest_expiry_s": max(0.0, span[0] - now) if span else 0.0,
+                "cache_pin_latest_expiry_s": max(0.0, span[1] - now) if span else 0.0,
+                "cache_pin_dropped_blocks": self.pins.dropped}
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the tail blocks past the first `num_tokens` tokens (a rejected draft's):
         never computed in full, so never cached, they go to the front of the free queue."""
         keep = self.blocks_needed(num_tokens)
+        self._expire_pins()
         freed: list[Block] = []
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop(), freed)
@@ -202,6 +284,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (tail first, so its head stays cached longest)."""
+        self._expire_pins()
         freed: list[Block] = []
         for bid in reversed(seq.block_table):
             self._release(bid, freed)
@@ -214,7 +297,10 @@ class BlockManager:
         block = self.blocks[bid]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_queue[bid] = None
+            if block.hash in self.pins and self.cached.get(block.hash) == bid:
+                self.pinned_free[bid] = None
+            else:
+                self.free_queue[bid] = None
             if block.hash is None:
                 self.free_queue.move_to_end(bid, last=False)   # nothing to keep: reuse it first
             else:
@@ -226,7 +312,10 @@ class BlockManager:
             self.tier.store(freed)
 
     def _pop_free(self) -> int:
-        bid, _ = self.free_queue.popitem(last=False)
+        if self.free_queue:
+            bid, _ = self.free_queue.popitem(last=False)
+        else:
+            bid = self._pop_pinned()
         if self.tier is not None:
             # its copy into the tier must end before new KV lands
             self.tier.wait_store(bid)
@@ -238,18 +327,32 @@ class BlockManager:
                     self.events.removed(block.hash, MEDIUM_GPU)
             block.hash = None
             block.token_ids = ()
+            block.salt = None
         block.ref_count = 1
+        return bid
+
+    def _pop_pinned(self) -> int:
+        """Nothing unpinned is free: the pinned block expiring soonest gives way, offered to the
+        second tier first (it copies it, or makes its copy the most recently used)."""
+        expiry = self.pins.expiry
+        bid = min(self.pinned_free, key=lambda b: expiry.get(self.blocks[b].hash, 0.0))
+        del self.pinned_free[bid]
+        block = self.blocks[bid]
+        self.pins.unpin(block.hash)
+        self.pins.dropped += 1
+        if self.tier is not None:
+            self.tier.store([block])
         return bid
 
     def _block_key(self, seq: Sequence, i: int) -> tuple[int, int, tuple[int, ...]]:
         """The i-th full block of `seq`: its hash, its parent's hash and its token ids."""
         bs = self.block_size
-        parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+        parent = seq.block_hashes[i - 1] if i else seq.root_hash
         return seq.block_hashes[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])
 
     def _extend_hashes(self, seq: Sequence) -> None:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), len(seq.token_ids) // bs):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else seq.root_hash
             hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))

@@ -35,6 +35,9 @@ KV_CACHE_TORCH_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "floa
                          "float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
 KV_CACHE_DTYPE_NAMES = tuple(KV_CACHE_TORCH_DTYPES)
 DEFAULT_MAX_TOKENS = 256                # a request's max_tokens when it sets none
+# cache_control pins may hold up to half the KV cache: the other half stays an LRU cache for
+# unmarked prompts (pins leave the LRU; docs/engine.md, "cache_control pins and cache_salt")
+DEFAULT_CACHE_PIN_FRACTION = 0.5
 NULL = type(None)
 
 
@@ -344,6 +347,13 @@ def writable_dir_problem(path: str) -> str | None:
     return None
 
 
+def check_cache_pin_fraction(fraction: float, name=flag_name) -> None:
+    if not (math.isfinite(fraction) and 0 <= fraction <= 1):
+        raise ConfigError(name("cache_pin_fraction"),
+                          f"must be a fraction of the KV cache in [0, 1] (0: no pins), got "
+                          f"{fraction:g}")
+
+
 def check_kv_offloading(size_gib: float | None, path: str | None,
                         enable_prefix_caching: bool = True, name=flag_name) -> None:
     """The offloading settings checked before anything is loaded; ConfigError calls each
@@ -393,6 +403,8 @@ class EngineArgs:
     kv_offloading_size: float | None = None      # GiB of second KV tier; None/0: off
     kv_offloading_path: str | None = None        # its file's directory on CPU (None: the temp dir)
     kv_events_config: KVEventsConfig | None = None   # vLLM's KV events; None: off
+    # the most of the KV cache cache_control pins may hold (backend/cache_pins.py); 0: no pins
+    cache_pin_fraction: float = DEFAULT_CACHE_PIN_FRACTION
     # test-only fault injector (the quality gate's planted fault): round stored K/V to this
     # many mantissa bits; None: off
     debug_kv_mantissa_bits: int | None = None
@@ -499,6 +511,10 @@ FLAGS = _filled((     # in --help's order
     Flag("enable_chunked_prefill", bool, negated="--no-chunked-prefill",
          help="take prompts whole (baseline)"),
     Flag("enable_prefix_caching", bool, negated="--no-prefix-caching"),
+    Flag("cache_pin_fraction", float, metavar="FRACTION",
+         help="the most of the KV cache that blocks pinned by Anthropic cache_control marks may "
+         "hold, kept out of LRU eviction until their ttl while space allows (default "
+         "%(default)s: the other half stays an LRU cache for unmarked prompts; 0: no pins)"),
     Flag("attention_backend", choices=ATTENTION_BACKENDS, numeric=True, neutral="auto"),
     Flag("enforce_eager", bool, help="no CUDA graphs"),
     # serving

@@ -21,6 +21,7 @@ from prefixgate.backend import kv_tier
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.config import (
     EngineArgs,
+    check_cache_pin_fraction,
     check_kv_offloading,
     resolve_model,
     resolve_tokenizer,
@@ -57,6 +58,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # prompt tokens computed inside a cache_control breakpoint's prefix (vLLM's
+    # created_cache_tokens); None: the request has no breakpoint
+    created_cache_tokens: int | None
     # the request's time.monotonic() stamps (as vLLM's): reaching the engine (add_request,
     # after tokenization), first scheduled, first token sampled, this output's token sampled
     arrival_time: float
@@ -84,6 +88,7 @@ class LLMEngine:
         self.args = args
         check_kv_offloading(args.kv_offloading_size, args.kv_offloading_path,
                             args.enable_prefix_caching)
+        check_cache_pin_fraction(args.cache_pin_fraction)
         self.model_dir = resolve_model(args.model)     # a directory, or a .gguf file
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
@@ -101,7 +106,8 @@ class LLMEngine:
         num_blocks = self._num_blocks(kv_dtype)
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  num_blocks * args.block_size, args.max_model_len or 1 << 62)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                          pin_fraction=args.cache_pin_fraction)
         eos = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         config = self._scheduler_config()
         self.speculator = Speculator(args.speculative_config) if args.speculative_config else None
@@ -201,10 +207,12 @@ class LLMEngine:
     # --- called from the event loop thread --------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, kv_hold: str | None = None) -> None:
+                    arrival_time: float | None = None, kv_hold: str | None = None,
+                    cache_salt: str | None = None, cache_pins=()) -> None:
         """Queue a request; its arrival is now unless given (a time.monotonic() stamp). With
-        `kv_hold` (a transfer id) its blocks are held when it ends, for a decode engine's pull."""
-        seq = Sequence(prompt_ids, params, request_id, arrival_time)
+        `kv_hold` (a transfer id) its blocks are held when it ends, for a decode engine's pull;
+        `cache_salt` and `cache_pins` (prompt tokens, ttl seconds) as Sequence takes them."""
+        seq = Sequence(prompt_ids, params, request_id, arrival_time, cache_salt, cache_pins)
         seq.kv_hold = kv_hold
         self._adds.append(_Request(seq, self._decoder_cls(self.tokenizer)))
 
@@ -228,7 +236,7 @@ class LLMEngine:
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._adds),
                 "kv_cache_usage": bm.usage(), "prefix_queries": bm.prefix_queries,
                 "prefix_hits": bm.prefix_hits, "preemptions": s.num_preemptions,
-                "kv_held_blocks": s.num_held_blocks, **self._kv_tier_stats(),
+                "kv_held_blocks": s.num_held_blocks, **bm.pin_stats(), **self._kv_tier_stats(),
                 **self._kv_events_stats()}
 
     def _kv_events_stats(self) -> dict:
@@ -341,8 +349,8 @@ class LLMEngine:
         new_ids, req.token_ids = req.token_ids, []
         return RequestOutput(seq.request_id, new_ids, delta, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                             seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                             seq.last_token_time)
+                             seq.created_cache_tokens, seq.arrival_time,
+                             seq.first_scheduled_time, seq.first_token_time, seq.last_token_time)
 
 
 def _config_eos(config) -> set[int]:

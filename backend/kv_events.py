@@ -27,8 +27,12 @@ each event a MAP tagged by "type" (msgspec `tag=True`, `omit_defaults=True`):
 `block_hashes` are the prefix cache's own chained xxh64 hashes (unsigned 64-bit ints);
 `parent_block_hash` is the hash of the block before the first, None for a sequence's first
 block; `token_ids` are all the blocks' tokens, `block_size` per block, in order; `lora_id`
-and `lora_name` are always None (no adapters here); `extra_keys` one None per block (nothing
-but the tokens went into a block's hash: no adapter, image or cache salt); `group_idx` 0 and
+and `lora_name` are always None (no adapters here); `extra_keys` one entry per block, as vLLM
+0.32's `to_event_extra_keys` publishes them: None for a block whose hash has nothing but its
+tokens, and for the first block of a request with a `cache_salt` the one-element array
+`[salt]` (vLLM's untagged `(cache_salt,)` tuple; the salt goes into the first block's hash only,
+so later blocks of a salted prompt carry None); such a first block's `parent_block_hash` is None
+too, as every first block's (the salted root it chains from is never sent); `group_idx` 0 and
 `kv_cache_spec_kind` "full_attention" (one KV cache group, full attention, as vLLM says of a
 Llama); `medium` is "GPU" for the device KV cache whatever the device (vLLM's name for its
 primary cache) and "CPU" for the second KV tier (vLLM's KV offloading medium).
@@ -110,12 +114,17 @@ class BlockStored:
     lora_id: int | None
     medium: str
     lora_name: str | None
+    extra_keys: list | None = None    # per block: [cache_salt] on a salted first block, else None
+
+    def __post_init__(self) -> None:
+        if self.extra_keys is None:
+            self.extra_keys = [None] * len(self.block_hashes)
 
     def wire(self) -> dict:
         return {"type": "BlockStored", "block_hashes": self.block_hashes,
                 "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
                 "block_size": self.block_size, "lora_id": self.lora_id, "medium": self.medium,
-                "lora_name": self.lora_name, "extra_keys": [None] * len(self.block_hashes),
+                "lora_name": self.lora_name, "extra_keys": self.extra_keys,
                 "group_idx": KV_CACHE_GROUP, "kv_cache_spec_kind": KV_CACHE_SPEC_KIND}
 
 
@@ -145,17 +154,23 @@ class KVEventSink:
         self.root_hash = root_hash      # the parent hash of a sequence's first block: sent as None
         self.events: list[BlockStored | BlockRemoved] = []
 
-    def stored(self, block_hash: int, parent_hash: int, token_ids, medium: str) -> None:
-        """`parent_hash`: the block before it in its sequence (root_hash for a sequence's first)."""
-        parent_hash = None if parent_hash == self.root_hash else parent_hash
+    def stored(self, block_hash: int, parent_hash: int, token_ids, medium: str,
+               salt: str | None = None) -> None:
+        """`parent_hash`: the block before it in its sequence (root_hash for a sequence's first);
+        `salt`: the cache_salt of a salted sequence's first block (whose parent is the salted
+        root): published as vLLM does, parent None and extra key [salt]."""
+        first = salt is not None or parent_hash == self.root_hash
+        parent_hash = None if first else parent_hash
+        extra = [salt] if salt is not None else None
         last = self.events[-1] if self.events else None
         if (isinstance(last, BlockStored) and last.medium == medium and parent_hash is not None
                 and last.block_hashes[-1] == parent_hash):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
+            last.extra_keys.append(extra)
         else:
             self.events.append(BlockStored([block_hash], parent_hash, list(token_ids),
-                                           self.block_size, None, medium, None))
+                                           self.block_size, None, medium, None, [extra]))
 
     def removed(self, block_hash: int, medium: str) -> None:
         last = self.events[-1] if self.events else None

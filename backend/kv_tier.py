@@ -15,7 +15,11 @@ does, so a hash collision is never served) and an xxh64 of the slot's bytes take
 stored. A load checks that checksum: a block whose bytes changed is dropped and recomputed.
 
 When: the block manager offers the tier every hashed block whose last reference goes (it stays
-in the device cache's free queue, hit-able, until it is reused). A block the tier does not hold
+in the device cache's free queue, hit-able, until it is reused), and a cache_control-pinned
+block again just before it is dropped for room (backend/cache_pins.py): a copy the tier made at
+its release may have been evicted meanwhile, and one it still holds becomes its most recent.
+Keys carry cache_salt: a salted prompt's first block chains from the salt, and `holds` compares
+the parent hash, so a block is never served across salts. A block the tier does not hold
 yet is copied out by one worker thread, off the step's critical path: a hashed block is never
 written, so it can be read while it waits in the free queue. Before the free queue hands such a
 block out for new KV, `wait_store` waits for its copy. Loads run on the engine thread when a
@@ -146,7 +150,8 @@ class KVTier:
             self._pending[block_id] = copy
         if self.events is not None:     # in chain order (they were freed tail first)
             for block in reversed(new):
-                self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_CPU)
+                self.events.stored(block.hash, block.parent_hash, block.token_ids, MEDIUM_CPU,
+                                   block.salt)
 
     def wait_store(self, block_id: int) -> None:
         """Before a device block gets new KV: wait until its copy into the tier (if any) is done."""

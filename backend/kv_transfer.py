@@ -390,15 +390,18 @@ class KVTransfer:
     # --- decode side: the pull -------------------------------------------------------------
 
     async def pull(self, remote: RemotePrefill, ids: list[int], params: SamplingParams,
-                   request_id: str | None = None) -> tuple[RequestStream, float]:
+                   request_id: str | None = None,
+                   cache_salt: str | None = None) -> tuple[RequestStream, float]:
         """Pull a prompt's KV from a prefill engine into blocks of this engine; the sequence's
         stream (scheduled as a decode) and the seconds the pull took. Raises HTTPError (nothing
-        has been sent to the client yet); on any failure the blocks taken are freed."""
+        has been sent to the client yet); on any failure the blocks taken are freed. The
+        request's `cache_salt` keys the pulled blocks in this engine's prefix cache."""
         if remote.num_tokens is not None and remote.num_tokens != len(ids):
             raise HTTPError(400, f"'kv_transfer_params.num_tokens' is {remote.num_tokens} but the "
                             f"prompt has {len(ids)} tokens: leg 2 must send leg 1's prompt",
                             code="kv_prompt_mismatch")
-        seq = Sequence(ids, params, request_id or self.engine.new_request_id())
+        seq = Sequence(ids, params, request_id or self.engine.new_request_id(),
+                       cache_salt=cache_salt)
         t0 = time.monotonic()
         try:
             if not await self.engine.call(_reserve, self.core.block_manager, seq):

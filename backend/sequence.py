@@ -6,6 +6,7 @@ import time
 from enum import Enum
 
 from prefixgate.backend.sampling import SamplingParams
+from prefixgate.common.block_hash import salted_root
 
 _ids = itertools.count()
 
@@ -25,7 +26,8 @@ class Sequence:
     """
 
     def __init__(self, token_ids: list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None, arrival_time: float | None = None):
+                 request_id: str | None = None, arrival_time: float | None = None,
+                 cache_salt: str | None = None, cache_pins=()):
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else f"seq-{self.seq_id}"
         self.token_ids: list[int] = list(token_ids)
@@ -38,6 +40,14 @@ class Sequence:
         self.block_hashes: list[int] = []     # chained hashes of the full blocks so far
         self.num_hashed_blocks = 0            # leading blocks already offered to the prefix cache
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
+        # vLLM's cache_salt: folded into the first block's parent hash, so only requests with
+        # the same salt share cached blocks (backend/block_manager.py)
+        self.cache_salt = cache_salt or None
+        self.root_hash = salted_root(self.cache_salt)
+        # cache_control breakpoints as (prompt tokens, whole blocks; ttl seconds), shortest
+        # first: the block manager pins each prefix once it is cached (backend/cache_pins.py)
+        self.cache_pins: list[tuple[int, float]] = sorted(cache_pins)
+        self.num_pins_applied = 0
         self.generator = None                 # a seeded request's own RNG, on the model's device
         self.kv_hold: str | None = None       # a transfer id: once done, its KV is held for a pull
         self.spec = None                      # speculative decoding's state (spec_decode.py)
@@ -61,6 +71,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def created_cache_tokens(self) -> int | None:
+        """Prompt tokens this request computed inside a breakpoint's prefix, i.e. wrote to the
+        cache for reuse (Anthropic's cache_creation_input_tokens); None without breakpoints."""
+        if not self.cache_pins:
+            return None
+        marked = min(max(n for n, _ in self.cache_pins), self.num_prompt_tokens)
+        return max(0, marked - self.num_cached_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:
