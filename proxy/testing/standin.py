@@ -19,7 +19,9 @@ misbehave. Per-request behaviour can be overridden with a vendor field in the re
 `"x_standin": {"gap": 0.3, ...}` (which also proves that unknown fields pass through).
 With `prefix_cache` set it also models prefill: `prefill_per_token` seconds per prompt token
 (4 characters) that its block-chained prefix cache does not hold (none, when False), and
-vLLM's prefix-cache counters in /metrics; `prefixgate doctor` and the bench tests use it.
+vLLM's prefix-cache counters in /metrics; `prefixgate doctor` and the bench tests use it;
+a request's `cache_salt` is folded into its first block, as vLLM folds it. `refused_fields`
+makes it a server that answers a field it does not take with a 400.
 With `serial_prefill` its prefills (`first_delay` and the per-token time) run one at a time
 in arrival order, as an engine's do, the others counted as waiting in /metrics: a busy
 stand-in answers later, as a busy engine does.
@@ -78,6 +80,9 @@ class Behaviour:
     lora: dict[str, str] = field(default_factory=dict)   # LoRA adapter id -> its base model id
     kv_usage: float = 0.0        # vllm:kv_cache_usage_perc its /metrics reports
     serial_prefill: bool = False     # prefills one at a time, in arrival order (a queue)
+    # body fields it answers with a 400, as a server whose request model forbids extra fields
+    # (one that does not take vLLM's cache_salt, say)
+    refused_fields: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +151,9 @@ class StandIn(Surface):
         self._record(request, body, b)
         if (err := model_not_found(b, body.get("model"))) is not None:
             return err
+        if refused := _refused(b, body):
+            return json_response({"error": {"message": refused, "type": "BadRequestError",
+                                            "code": 400}}, status=400)
         b = replace(b, model=answer_model(b, body.get("model")))
         if b.fail == "status":
             return json_response({"error": {"message": "stand-in failure", "type":
@@ -184,6 +192,8 @@ class StandIn(Surface):
             return None, None, err
         if (message := not_served(b, body.get("model"))) is not None:
             return None, None, anthropic_error(message, 404, "NotFoundError")
+        if refused := _refused(b, body):
+            return None, None, anthropic_error(refused, 400, "BadRequestError")
         if b.fail == "status":
             return None, None, anthropic_error("stand-in failure", b.status,
                                                SERVER_ERRORS.get(b.status, "InternalServerError"))
@@ -243,7 +253,8 @@ class StandIn(Surface):
         behaviour with the delay still to take, the cached tokens or None)."""
         cached = None
         if b.prefix_cache is not None:
-            uncached, cached = self.cache.lookup(_prompt_text(prompt_body), use=b.prefix_cache)
+            uncached, cached = self.cache.lookup(_prompt_text(prompt_body), use=b.prefix_cache,
+                                                 salt=prompt_body.get("cache_salt"))
             b = replace(b, first_delay=b.first_delay + b.prefill_per_token * uncached)
         if b.serial_prefill:
             await self._prefill_in_turn(b.first_delay)
@@ -349,12 +360,13 @@ class PrefixCacheModel:
     hits: int = 0                # ... and found
     _seen: set = field(default_factory=set)
 
-    def lookup(self, text: str, use: bool) -> tuple[int, int]:
+    def lookup(self, text: str, use: bool, salt: str | None = None) -> tuple[int, int]:
         """Count the lookup, remember the blocks; return the prompt tokens left to compute
-        and those found cached."""
+        and those found cached. A `salt` (vLLM's cache_salt) is folded into the first block,
+        as vLLM folds it: prompts share blocks only under equal salts."""
         tokens = max(1, len(text) // 4)
         self.queries += tokens
-        hit_chars, parent, hitting = 0, 0, use
+        hit_chars, parent, hitting = 0, hash(("cache_salt", salt)) if salt else 0, use
         for start in range(0, len(text) - self.block_chars + 1, self.block_chars):
             parent = hash((parent, text[start:start + self.block_chars]))
             if hitting and parent in self._seen:
@@ -450,6 +462,12 @@ def _chunk(rid: str, chat: bool, model: str, text: str = "", finish: str | None 
 
 def _event(data: dict) -> bytes:
     return f"data: {compact(data)}\n\n".encode()
+
+
+def _refused(b: Behaviour, body: dict) -> str | None:
+    """The message of a 400 for the fields of `body` this stand-in refuses (None: none)."""
+    extra = sorted(f for f in b.refused_fields if f in body)
+    return f"Extra inputs are not permitted: {', '.join(extra)}" if extra else None
 
 
 def _prompt_text(body: dict) -> str:
