@@ -29,7 +29,7 @@ Metrics, labelled by upstream and model:
 - `prefixgate_route_cache_predictions_total{outcome}` — each comparison once: `agree`
   (|gap| < `large_gap_tokens`), else `hit_none` (a hit predicted, none reported), `none_hit`
   (none predicted, a hit reported), `fewer`, `more` (both hits, the gap large).
-`prefixgate doctor` reads both (proxy/doctor/parity.py).
+`prefixgate doctor` reads both (proxy/doctor/route_parity.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ the inter-chunk arrival pattern (buffering, compression);
 (b) the same request twice: does the prefix cache work? (c) per-request values in the
 prompt's head and where two requests diverge; (d) KV usage and preemptions from /metrics;
 (r) behind a prefixgate gateway, the upstream whose reported cached tokens disagree with the
-router's predictions (parity.py); (e) a verdict per finding, with the fix. Exit status: 0
+router's predictions (route_parity.py); (e) a verdict per finding, with the fix. Exit status: 0
 clean, 1 problems found, 2 could not run (unreachable URL, unreadable request file).
 
 Everything is judged for one model at a time: the probes go to `--model`, else the first
@@ -34,8 +34,8 @@ from prefixgate.proxy.bench.prompts import load_tokenizer, words
 from prefixgate.proxy.bench.target import TargetError, auth_headers, base_url, pick_model
 from prefixgate.proxy.doctor import checks as checks
 from prefixgate.proxy.doctor import scrape as pm
-from prefixgate.proxy.doctor.parity import route_parity
 from prefixgate.proxy.doctor.prompt import divergence, dynamic_fields
+from prefixgate.proxy.doctor.route_parity import route_parity
 from prefixgate.proxy.doctor.trace import trace_stream
 
 MARK = {"PASS": "ok  ", "INFO": "info", "WARN": "warn", "FAIL": "FAIL", "SKIP": "skip"}

@@ -1,4 +1,4 @@
-"""Router↔engine parity (plugins/prefix_route/parity.py, proxy/doctor/parity.py) against real
+"""Router↔engine parity (plugins/prefix_route/parity.py, proxy/doctor/route_parity.py) against real
 bundled engines on loopback (a tiny random Llama, 16-token blocks, reporting cached tokens as
 vLLM does, publishing their KV events): one engine, `b`, serves the model with another chat
 template (a default system preamble, as Llama 3.1's and Qwen's templates add), the others
@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from prefixgate.backend.demo import CHATML_TEMPLATE, write_tokenizer_files
-from prefixgate.proxy.doctor import parity as doctor_parity
+from prefixgate.proxy.doctor import route_parity as doctor_parity
 from tests.helpers import KVEventsEngine, tiny_tokenizer
 from tests.tools.helpers import doctor
 
@@ -108,7 +108,7 @@ async def parity(client, gw) -> dict[str, doctor_parity.UpstreamParity]:
 
 
 def named(up: doctor_parity.UpstreamParity | None) -> bool:
-    """Whether doctor's test would name this upstream (proxy/doctor/parity.py)."""
+    """Whether doctor's test would name this upstream (proxy/doctor/route_parity.py)."""
     return (up is not None and up.compared >= doctor_parity.MIN_COMPARED
             and up.far_apart >= doctor_parity.DISAGREE_SHARE)
 
