@@ -11,7 +11,14 @@ On by default. A request names its session, or the cache it wants to reuse, in t
 - the body's `metadata.user_id` (`metadata_key`; Anthropic's field: Claude Code sends
   `user_<hash>_account_<uuid>_session_<uuid>`, or that as a JSON object with `session_id`:
   the session part is the key, so it equals the header's);
-- the body's `user` (OpenAI's field), only with `user_field: true`.
+- the body's `user` (OpenAI's field), only with `user_field: true`;
+- the prompt's `cache_control` breakpoints (`cache_control: true`): the prefix the client marked
+  for reuse, up to its last breakpoint, keyed by its head — tools, system and the first
+  message, as the chat request vLLM makes of it — which every later turn of the conversation
+  repeats, whereas the whole marked prefix grows by a turn each time.
+
+A request carrying a `cache_salt` (its tenant's, proxy/isolation.py) has its key salted with
+it, so two tenants' equal keys are two sessions.
 
 The session's upstream is the candidate with the highest hash of (key, upstream name):
 rendezvous hashing, so every gateway replica picks the same one with nothing shared between
@@ -38,7 +45,9 @@ import re
 
 import xxhash
 
+from prefixgate.common.cache_control import CacheControlError, breakpoints, prefix_of
 from prefixgate.common.schema import Key, one_of
+from prefixgate.plugins.prefix_keys import prompt_body
 
 DEFAULT_HEADERS = ("x-session-id", "x-dynamo-session-id", "x-litellm-session-id",
                    "x-claude-code-session-id", "session-id", "session_id")
@@ -59,6 +68,7 @@ SPEC = {
     "prompt_cache_key": Key(bool, True),     # the body's prompt_cache_key names the session
     "metadata_key": Key((str, type(None)), "user_id"),   # ... or body.metadata[<this>]
     "user_field": Key(bool, False),          # ... or the body's `user`
+    "cache_control": Key(bool, True),        # ... or the prefix its breakpoints mark
 }
 
 
@@ -71,11 +81,23 @@ class Sessions:
         self.metadata_key = cfg["metadata_key"]
         self.metadata_source = f"metadata.{self.metadata_key}"
         self.user_field = cfg["user_field"]
+        self.cache_control = cfg["cache_control"]
         self.hard = cfg["mode"] == "hard"
         self._seeds: dict[str, int] = {}      # upstream name -> its hash seed
 
     def session_key(self, ctx) -> tuple[str, bytes] | None:
-        """(where it was found, the key) of the request's session (None: it names none)."""
+        """(where it was found, the key) of the request's session (None: it names none),
+        salted with the request's cache_salt."""
+        found = self._named(ctx)
+        if found is None and self.cache_control:
+            marked = marked_prefix_key(ctx.path, ctx.body)
+            found = ("cache_control", marked) if marked is not None else None
+        if found is not None and ctx.cache_salt:
+            return found[0], ctx.cache_salt.encode() + b"\0" + found[1]
+        return found
+
+    def _named(self, ctx) -> tuple[str, bytes] | None:
+        """The session the request names in a header or a body field."""
         headers = ctx.headers
         if headers is not None:
             for name in self.headers:
@@ -122,6 +144,44 @@ def session_part(user_id: str) -> str:
         return session if isinstance(session, str) and session else user_id
     m = CLAUDE_CODE_USER_ID.search(user_id)
     return m.group(1) if m and user_id.startswith("user_") else user_id
+
+
+def marked_prefix_key(path: str, body: dict) -> bytes | None:
+    """The key of the prefix a request's `cache_control` breakpoints mark (None: none): a hash
+    of the head of the prompt up to its last breakpoint — its tools and system and its first
+    message, in the chat request vLLM makes of it (a Messages request's billing header
+    dropped), marks removed, in canonical JSON. Sampling fields are left out: they do not
+    change what is cached."""
+    try:
+        marks = breakpoints(body)
+    except CacheControlError:        # answered with a 400 before routing (proxy/parse.py)
+        return None
+    if not marks:
+        return None
+    chat = prompt_body(path, prefix_of(body, marks[-1]))
+    messages = chat.get("messages") if isinstance(chat.get("messages"), list) else []
+    head = {"tools": chat.get("tools"), "messages": _through_first_turn(messages)}
+    text = json.dumps(_unmarked(head), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+    return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
+
+
+def _through_first_turn(messages: list) -> list:
+    """The leading system messages and the first message after them."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+            return messages[:i + 1]
+    return messages
+
+
+def _unmarked(value):
+    """`value` without its `cache_control` marks: the client moves them as the conversation
+    grows (to its newest message), and they change nothing the engine caches."""
+    if isinstance(value, dict):
+        return {k: _unmarked(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_unmarked(v) for v in value]
+    return value
 
 
 def short_hash(key: bytes) -> str:
