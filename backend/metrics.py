@@ -39,6 +39,7 @@ class _EngineCollector:
         yield _gauge("prefixgate:kv_transfer_held_blocks",
                      "KV blocks held for a decode engine's pull (prefill side).",
                      s["kv_held_blocks"])
+        yield from _cache_pin_metrics(s)
         yield from _spec_decode_metrics(self.engine.spec_stats())
         yield from _kv_offload_metrics(s)
         yield from _kv_events_metrics(s)
@@ -61,6 +62,21 @@ class _EngineCollector:
                 ("kv_transfer_pull_seconds",
                  "Seconds spent pulling (connect to last byte).", kv.seconds_pulled)):
             yield _counter("prefixgate:" + name, doc, value)
+
+
+def _cache_pin_metrics(s: dict):
+    """cache_control pins (backend/cache_pins.py): how many blocks are pinned and when the
+    pins end, in seconds from the scrape (0 with no pin)."""
+    yield _gauge("prefixgate:cache_pinned_blocks",
+                 "KV blocks pinned by cache_control marks until their ttl.",
+                 s["cache_pinned_blocks"])
+    yield _gauge("prefixgate:cache_pin_soonest_expiry_seconds",
+                 "Seconds until the soonest pin ends (0: no pin).", s["cache_pin_soonest_expiry_s"])
+    yield _gauge("prefixgate:cache_pin_latest_expiry_seconds",
+                 "Seconds until the latest pin ends (0: no pin).", s["cache_pin_latest_expiry_s"])
+    yield _counter("prefixgate:cache_pin_dropped_blocks",
+                   "Pinned KV blocks reused before their ttl because nothing else was free.",
+                   s["cache_pin_dropped_blocks"])
 
 
 def _spec_decode_metrics(spec: dict | None):

@@ -66,6 +66,39 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int,
     )
 
 
+# vLLM 0.32's validate_cache_salt (vllm/entrypoints/generate/base/protocol.py)
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+MAX_CACHE_SALT_LENGTH = 128
+
+
+class CacheSaltError(HTTPError):
+    """A `cache_salt` vLLM refuses: its 400 (type "Bad Request", `param` "cache_salt") with
+    its message (vLLM wraps it in pydantic's error dump; the message is the part it raised)."""
+
+    def __init__(self, message: str):
+        super().__init__(400, message, code=400, type="Bad Request")
+
+    def payload(self, shape: str = "openai") -> dict:
+        out = super().payload(shape)
+        if shape == "openai":
+            out["error"]["param"] = "cache_salt"
+        return out
+
+
+def cache_salt_of(body: dict) -> str | None:
+    """The request's `cache_salt` checked as vLLM checks it (None: absent): a non-empty string
+    of at most 128 characters without '@', '/', '\\' or NUL."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise CacheSaltError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > MAX_CACHE_SALT_LENGTH or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise CacheSaltError("Parameter 'cache_salt' must be at most 128 characters and must "
+                             "not contain '@', '/', '\\\\', or NUL.")
+    return salt
+
+
 class ModelNotFound(HTTPError):
     """A request for a model this server does not serve: vLLM's 404, `param` included."""
 
@@ -280,9 +313,15 @@ class ResponseFormat:
 
     @staticmethod
     def usage(out) -> dict:
+        """vLLM's usage: `prompt_tokens_details.cached_tokens` (served from the prefix cache),
+        and for a request with cache_control breakpoints `created_cache_tokens` (computed
+        inside a breakpoint's prefix: Anthropic's cache_creation_input_tokens)."""
+        details = {"cached_tokens": out.cached_tokens}
+        if out.created_cache_tokens is not None:
+            details["created_cache_tokens"] = out.created_cache_tokens
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+                "prompt_tokens_details": details}
 
     def _usage_so_far(self, out) -> dict:
         prompt = len(self.prompt_ids)

@@ -39,6 +39,12 @@ flag) serves at once.
 
 `--kv-events-config` (vLLM's flag and JSON keys) publishes the prefix cache's KV events over
 ZMQ in vLLM's wire format (backend/kv_events.py); the publisher closes with the server.
+
+The cache contract: vLLM's `cache_salt` on every generation endpoint (checked as vLLM checks it)
+keys the request's blocks apart from other salts' (backend/block_manager.py); Anthropic
+`cache_control` breakpoints on /v1/messages and /v1/chat/completions pin the blocks of each
+marked prefix for its ttl (backend/cache_pins.py), and usage reports vLLM's
+`prompt_tokens_details.created_cache_tokens` (Messages: `cache_creation_input_tokens`).
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ from prefixgate.backend.metrics import EngineMetrics
 from prefixgate.backend.openai import (
     ResponseFormat,
     body_field,
+    cache_salt_of,
     chat_messages,
     check_messages_request,
     check_model,
@@ -73,6 +80,7 @@ from prefixgate.backend.timing import RequestTiming
 from prefixgate.backend.tool_calls import ToolCallStream, parse_tool_calls
 from prefixgate.common import anthropic_answers, server_timing, tracing
 from prefixgate.common.anthropic_messages import needs_system_first, to_chat
+from prefixgate.common.cache_control import CacheControlError, breakpoints, prefix_of
 from prefixgate.common.errors import HTTPError
 from prefixgate.common.routes import add_routes
 from prefixgate.common.runtime import json_errors_middleware, start_app
@@ -152,9 +160,13 @@ class EngineServer:
         self._refuse_until_ready()
         with RequestTiming(self.tracer, request.headers) as timing:
             body = await self._request_body(request)
+            salt = cache_salt_of(body)
             text = self._render_chat(body)
             ids = await self._encode(text, add_special_tokens=False)
-            return await self._generate(request, body, ids, timing, chat=True)
+            pins = await self._cache_pins(body, ids, lambda cut: self._render_chat(
+                cut, add_generation_prompt=False))
+            return await self._generate(request, body, ids, timing, chat=True,
+                                        cache=(salt, pins))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API, served through the chat path as vLLM serves it: the
@@ -162,25 +174,56 @@ class EngineServer:
         chat answer the Messages answer (common/anthropic_answers.py)."""
         self._refuse_until_ready()
         with RequestTiming(self.tracer, request.headers) as timing:
-            chat, ids = await self._messages_prompt(request, count_tokens=False)
-            return await self._generate(request, chat, ids, timing, chat=True, anthropic=True)
+            body, chat, ids = await self._messages_prompt(request, count_tokens=False)
+            salt = cache_salt_of(body)
+            pins = await self._cache_pins(body, ids, lambda cut: self._render_messages(
+                cut, add_generation_prompt=False)[1])
+            return await self._generate(request, chat, ids, timing, chat=True, anthropic=True,
+                                        cache=(salt, pins))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """`/v1/messages/count_tokens`: the prompt tokens /v1/messages would compute."""
-        _, ids = await self._messages_prompt(request, count_tokens=True)
+        _, _, ids = await self._messages_prompt(request, count_tokens=True)
         return web.json_response(anthropic_answers.count_tokens_answer(len(ids)))
 
     async def _messages_prompt(self, request: web.Request,
-                               count_tokens: bool) -> tuple[dict, list[int]]:
-        """A Messages request's chat request and prompt token ids."""
+                               count_tokens: bool) -> tuple[dict, dict, list[int]]:
+        """A Messages request's body, its chat request and its prompt token ids."""
         body = await json_body(request)
         check_messages_request(body, count_tokens)
         check_model(body, self.served_model_names)
+        chat, text = self._render_messages(body)
+        return body, chat, await self._encode(text, add_special_tokens=False)
+
+    def _render_messages(self, body: dict, add_generation_prompt: bool = True) -> tuple[dict, str]:
+        """A Messages body as the chat request vLLM makes of it, and that request rendered."""
         chat = to_chat(body, self.merge_inline_system())
         chat["messages"] = [vllm_text_content(m) for m in chat["messages"]]
-        text = self._render_chat(chat, template_kwargs=body_field(chat, "chat_template_kwargs",
-                                                                  dict, {}))
-        return chat, await self._encode(text, add_special_tokens=False)
+        text = self._render_chat(chat, add_generation_prompt, template_kwargs=body_field(
+            chat, "chat_template_kwargs", dict, {}))
+        return chat, text
+
+    async def _cache_pins(self, body: dict, ids: list[int], render) -> list[tuple[int, float]]:
+        """The body's cache_control breakpoints as (prompt tokens, ttl seconds): the longest
+        common token prefix of the prompt and the breakpoint's prefix, rendered by `render`
+        as the prompt was (but with no generation prompt), floored to whole blocks. A cut the
+        template cannot render alone (tools without any message) pins nothing."""
+        try:
+            marks = breakpoints(body)
+        except CacheControlError as e:
+            raise HTTPError(400, str(e), code="invalid_value") from None
+        bs = self.core.args.block_size
+        pins = []
+        for mark in marks:
+            try:
+                text = render(prefix_of(body, mark))
+            except HTTPError:
+                continue
+            cut = await self._encode(text, add_special_tokens=False)
+            n = _common_prefix_len(cut, ids) // bs * bs
+            if n:
+                pins.append((n, mark.ttl_s))
+        return pins
 
     def merge_inline_system(self) -> bool:
         """Whether the chat template needs the system message first, so a Messages request's
@@ -270,12 +313,13 @@ class EngineServer:
     async def _completions(self, request: web.Request,
                            timing: RequestTiming) -> web.StreamResponse:
         body = await self._request_body(request)
+        salt = cache_salt_of(body)
         prompt = completion_prompt(body, self.core.model_config.vocab_size)
         if isinstance(prompt, str):
             ids = await self._encode(prompt, add_special_tokens=True)
         else:
             ids = prompt
-        return await self._generate(request, body, ids, timing, chat=False)
+        return await self._generate(request, body, ids, timing, chat=False, cache=(salt, []))
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         tok = self.core.tokenizer
@@ -284,7 +328,9 @@ class EngineServer:
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     async def _generate(self, request, body, ids, timing: RequestTiming, chat: bool,
-                        anthropic: bool = False) -> web.StreamResponse:
+                        anthropic: bool = False, cache=(None, [])) -> web.StreamResponse:
+        """`cache`: the request's cache_salt and cache_control pins (see _cache_pins)."""
+        salt, pins = cache
         limit = self.core.max_model_len
         if len(ids) >= limit:
             raise HTTPError(400, f"This model's maximum context length is {limit} tokens, but the "
@@ -304,14 +350,15 @@ class EngineServer:
         kv = self._kv_request(body, stream)
         hold, headers = None, {}
         if isinstance(kv, kv_transfer.RemotePrefill):       # leg 2: the prompt's KV is elsewhere
-            out_stream, timing.kv_pull = await self.kv.pull(kv, ids, params)
+            out_stream, timing.kv_pull = await self.kv.pull(kv, ids, params, cache_salt=salt)
             headers[KV_HEADER] = "pulled"
         else:
             if kv is not None:
                 await self.kv.listen()          # a `both` engine's first leg 1 opens its KV port
             hold = self.kv.new_transfer_id() if kv is not None else None    # leg 1: keep the KV
             # the engine's arrival: now
-            out_stream = self.engine.generate(ids, params, kv_hold=hold)
+            out_stream = self.engine.generate(ids, params, kv_hold=hold, cache_salt=salt,
+                                              cache_pins=pins)
         try:
             if stream:
                 return await self._stream(request, out_stream, fmt, timing, headers, turn)
@@ -455,6 +502,10 @@ class _Turn:
         if calls and out.finish_reason == "stop" and not self.named_tool:
             return "tool_calls"
         return out.finish_reason
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # 404/405 from the router come out in OpenAI's shape too; a client that hung up is not an error

@@ -192,7 +192,11 @@ async def test_tool_definitions_and_a_tool_use_history_are_accepted(client):
     with_tools = await client.messages.count_tokens(model="tiny", tools=TOOLS, messages=history)
     without = await client.messages.count_tokens(model="tiny", messages=history)
     assert with_tools.input_tokens > without.input_tokens
-    assert with_tools.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    # Anthropic's total: the block marked with cache_control makes its prefix cache creation
+    usage = msg.usage
+    assert usage.cache_creation_input_tokens > 0
+    assert with_tools.input_tokens == (usage.input_tokens + usage.cache_read_input_tokens
+                                       + usage.cache_creation_input_tokens)
 
 
 async def test_a_stop_sequence_is_reported(client):
