@@ -26,6 +26,9 @@ class RequestContext:
     priority: int = 0
     cache_salt: str | None = None              # the salt its prefix is cached under (vLLM's
                                                # cache_salt: proxy/isolation.py), None: none
+    # its cache_control breakpoints, in prompt order (common/cache_control.py; read once at
+    # parse, where a malformed one is a 400)
+    cache_breakpoints: list = field(default_factory=list)
     # monotonic stamps: received, parsed, plugins_done, routed, admitted, upstream_sent,
     # first_byte, done
     t: dict[str, float] = field(default_factory=dict)

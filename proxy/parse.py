@@ -23,7 +23,7 @@ async def parse(gw, request: web.Request, ctx: RequestContext) -> None:
     authenticate(gw, ctx)
     await _read(gw, request, ctx)
     if ctx.endpoint.prompt:
-        check_cache_control(ctx.body)
+        ctx.cache_breakpoints = read_breakpoints(ctx.body)
     gw.isolation.apply(ctx)                  # the tenant's cache_salt
     await gw.limits.admit(ctx)               # per model too: after the body names it
     if ctx.endpoint.prompt and warm.requested(ctx):
@@ -40,11 +40,12 @@ def authenticate(gw, ctx: RequestContext) -> None:
         ctx.priority = key.priority or 0
 
 
-def check_cache_control(body: dict) -> None:
-    """A malformed `cache_control` is the client's error, answered before anything is sent
-    (routing reads the breakpoints; the engine keeps their prefixes)."""
+def read_breakpoints(body: dict) -> list:
+    """The request's cache breakpoints (routing holds the prefix they mark, the engine keeps
+    it); a malformed `cache_control` is the client's error, answered before anything is
+    sent."""
     try:
-        breakpoints(body)
+        return breakpoints(body)
     except CacheControlError as e:
         raise HTTPError(400, str(e), code="invalid_request") from None
 

@@ -45,7 +45,7 @@ import re
 
 import xxhash
 
-from prefixgate.common.cache_control import CacheControlError, breakpoints, prefix_of
+from prefixgate.common.cache_control import Breakpoint, prefix_of
 from prefixgate.common.schema import Key, one_of
 from prefixgate.plugins.prefix_keys import prompt_body
 
@@ -89,9 +89,9 @@ class Sessions:
         """(where it was found, the key) of the request's session (None: it names none),
         salted with the request's cache_salt."""
         found = self._named(ctx)
-        if found is None and self.cache_control:
-            marked = marked_prefix_key(ctx.path, ctx.body)
-            found = ("cache_control", marked) if marked is not None else None
+        if found is None and self.cache_control and ctx.cache_breakpoints:
+            found = ("cache_control",
+                     marked_prefix_key(ctx.path, ctx.body, ctx.cache_breakpoints[-1]))
         if found is not None and ctx.cache_salt:
             return found[0], ctx.cache_salt.encode() + b"\0" + found[1]
         return found
@@ -146,19 +146,13 @@ def session_part(user_id: str) -> str:
     return m.group(1) if m and user_id.startswith("user_") else user_id
 
 
-def marked_prefix_key(path: str, body: dict) -> bytes | None:
-    """The key of the prefix a request's `cache_control` breakpoints mark (None: none): a hash
-    of the head of the prompt up to its last breakpoint — its tools and system and its first
-    message, in the chat request vLLM makes of it (a Messages request's billing header
-    dropped), marks removed, in canonical JSON. Sampling fields are left out: they do not
-    change what is cached."""
-    try:
-        marks = breakpoints(body)
-    except CacheControlError:        # answered with a 400 before routing (proxy/parse.py)
-        return None
-    if not marks:
-        return None
-    chat = prompt_body(path, prefix_of(body, marks[-1]))
+def marked_prefix_key(path: str, body: dict, last: Breakpoint) -> bytes:
+    """The key of the prefix a request's `cache_control` breakpoints mark: a hash of the head
+    of the prompt up to its `last` breakpoint — its tools and system and its first message,
+    in the chat request vLLM makes of it (a Messages request's billing header dropped), marks
+    removed, in canonical JSON. Sampling fields are left out: they do not change what is
+    cached."""
+    chat = prompt_body(path, prefix_of(body, last))
     messages = chat.get("messages") if isinstance(chat.get("messages"), list) else []
     head = {"tools": chat.get("tools"), "messages": _through_first_turn(messages)}
     text = json.dumps(_unmarked(head), sort_keys=True, separators=(",", ":"),
