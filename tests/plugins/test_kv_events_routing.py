@@ -11,8 +11,9 @@ import time
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
-from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.block_hash import block_hash_chain, salted_root
 from prefixgate.common.tokenizer import Tokenizer
 from tests.helpers import KVEventsEngine, Serving
 from tests.plugins.helpers import follow_up, tenant
@@ -127,6 +128,40 @@ async def test_routing_by_the_engines_own_events(engines, model_dir, make_gatewa
         await until(lambda: holds(gw, "e0", A) <= shared, what="A evicted from e0")
         assert (await route(client, gw, tenant("A")))[1] == "new"     # no longer preferred
     assert feeds.feeds["e0"].resyncs["restart"] == feeds.feeds["e0"].resyncs["gap"] == 0
+
+
+async def test_a_tenants_salted_blocks_route_that_tenant_and_no_other(engines, model_dir,
+                                                                       make_gateway, chain):
+    """`isolation: per_key`: tenant `a`'s prompt, sent to e0 under a's salt (past the gateway),
+    is published as salted blocks; the gateway keys them under a's salted chain, so a's
+    follow-up goes to e0 from cache and b's identical one finds nothing there."""
+    keys = {"a": "sk-tenant-a-000001", "b": "sk-tenant-b-000002"}
+    gw = await make_gateway({**gateway_config(engines, model_dir),
+                             "auth": {"api_keys": list(keys.values())}})
+    await until(lambda: feeds_of(gw).live == {"e0", "e1"}, what="both feeds live")
+    isolation = gw.gateway.isolation
+    salt = {t: isolation.salt_of(gw.gateway.auth.identify(CIMultiDict({"x-api-key": k})))
+            for t, k in keys.items()}
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(tok.apply_chat_template(tenant("X")))
+    salted = block_hash_chain(ids, BLOCK, parent=salted_root(salt["a"]))
+    async with aiohttp.ClientSession() as client:
+        async with client.post(engines[0].url + "/v1/chat/completions", json={
+                "messages": tenant("X"), "max_tokens": 1, "temperature": 0,
+                "cache_salt": salt["a"]}) as r:
+            assert r.status == 200, await r.text()
+        await until(lambda: holds(gw, "e0", salted) == len(salted), what="a's salted blocks")
+        assert holds(gw, "e0", chain(tenant("X"))) == 0        # not under the unsalted chain
+        routed = {}
+        for t, k in keys.items():
+            async with client.post(gw.url + "/v1/chat/completions", headers={"x-api-key": k},
+                                   json={"messages": follow_up(tenant("X")), "max_tokens": 1,
+                                         "temperature": 0}) as r:
+                assert r.status == 200, await r.text()
+                routed[t] = (r.headers["x-prefixgate-upstream"],
+                             re.search(r"outcome=(\w+)", r.headers["x-prefixgate-route"])[1])
+    assert routed["a"] == ("e0", "cache")
+    assert routed["b"][1] != "cache"
 
 
 async def test_an_engine_restart_is_a_new_cache(engines, model_dir, make_gateway, chain):
