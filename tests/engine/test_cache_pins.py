@@ -15,7 +15,7 @@ import pytest
 from prefixgate.backend.block_manager import BlockManager
 from prefixgate.backend.config import EngineArgs
 from prefixgate.backend.engine import LLMEngine
-from prefixgate.backend.kv_events import KVEventSink, encode_batch
+from prefixgate.backend.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventSink, encode_batch
 from prefixgate.backend.kv_tier import GIB
 from prefixgate.backend.model_runner import kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
@@ -216,11 +216,11 @@ def tier_engine(model_dir) -> LLMEngine:
                                 kv_offloading_size=12 * slot / GIB))
 
 
-def generate(engine: LLMEngine, prompt: list[int], pins=()) -> int:
+def generate(engine: LLMEngine, prompt: list[int], pins=(), salt=None) -> int:
     """One request run to its end; its cached prompt tokens."""
     engine.add_request(f"r{next(_fresh)}", prompt,
                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                       cache_pins=pins)
+                       cache_salt=salt, cache_pins=pins)
     cached = None
     while engine.has_work():
         for out in engine.step():
@@ -245,4 +245,25 @@ def test_pinned_blocks_dropped_for_room_are_copied_to_the_tier_first(model_dir, 
     assert set(head) <= set(tier.index) if pinned else not set(head) & set(tier.index)
     assert engine.stats()["cache_pin_dropped_blocks"] == (3 if pinned else 0)
     assert generate(engine, P) == (48 if pinned else 0)     # back from the tier
+    engine.close()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_salted_prompt_is_published_and_offloaded_under_its_salt(model_dir):
+    engine = tier_engine(model_dir)
+    sink = engine.block_manager.events = engine.kv_tier.events = KVEventSink(BLOCK, ROOT_HASH)
+    generate(engine, P, salt="tenant-a")
+    engine.kv_tier._worker.submit(lambda: None).result()
+    salted = block_hash_chain(P, BLOCK, parent=salted_root("tenant-a"))
+    stored = {e.medium: e for e in sink.take() if type(e).__name__ == "BlockStored"}
+    for medium in (MEDIUM_GPU, MEDIUM_CPU):
+        e = stored[medium]
+        assert e.block_hashes == salted and e.parent_block_hash is None
+        assert e.extra_keys == [["tenant-a"], None, None]
+    assert set(salted) <= set(engine.kv_tier.index)
+    for prompt in FLOOD[:2]:        # P leaves the device cache; the tier holds it
+        generate(engine, prompt)
+    assert engine.block_manager.match_prefix(Sequence(P, cache_salt="tenant-a")).block_ids == []
+    assert generate(engine, P, salt="tenant-a") == 48          # loaded from the tier
+    assert generate(engine, P, salt="tenant-b") == 0 and generate(engine, P) == 0
     engine.close()
