@@ -16,15 +16,18 @@ session key (rendezvous hashing) and on what each engine holds by the engines' K
 Claude Code sends them: a system prompt in blocks (Claude Code's per-request billing header
 first, `cache_control` on the last block), Anthropic tool definitions, the history as
 `tool_use` / `tool_result` blocks (`cache_control` on the last message's last block), the
-session in `x-claude-code-session-id` and `metadata.user_id`; 8 sessions of 10 turns, the
-system prompt and tools as large as the model's context leaves beside 10 turns (SmolLM2's
-8,192 tokens; the demo model's 16,384; the tools three quarters of that, the system prompt the
-rest as the chat template renders it: templates that leave tools out, as SmolLM2's does, get a
-longer system prompt). Its modes: prefixgate as meant to run (`on`: prefix_route, next-turn
-warming) and `round-robin` (the same chain with prefix_route replaced by round robin, no
-warming: a plain balancer's placement). `--engine vllm` puts two real vLLM servers (vLLM's CPU
+session in `x-claude-code-session-id` and `metadata.user_id`; 8 sessions of 10 turns, each
+tool result 1/16 of the model's context (file reads and command output: the history outgrows
+the shared prefix, as Claude Code's does), the system prompt and tools as large as the context
+leaves beside 10 turns (SmolLM2's 8,192 tokens; the demo model's 16,384; the tools three
+quarters of that, the system prompt the rest as the chat template renders it: templates that
+leave tools out, as SmolLM2's does, get a longer system prompt), each engine's KV cache room
+for half of the sessions' histories (`kv_share`: a fleet's caches hold some sessions, not all).
+Its modes: prefixgate as meant to run (`on`: prefix_route, next-turn warming) and
+`round-robin` (the same chain with prefix_route replaced by round robin, no warming: a plain
+balancer's placement). `--engine vllm` puts two real vLLM servers (vLLM's CPU
 build, proxy/testing/real_vllm.py; SmolLM2 unless `--model` says otherwise) in place of the
-bundled engines, each with KV room for every session's whole history.
+bundled engines.
 
 Measured per turn from the second on: the share of the turn's history (the conversation up to
 and including the previous answer, as the chat template renders it; for Messages, the chat
@@ -84,7 +87,10 @@ TARGET_HISTORY, TARGET_RATIO = 0.95, 0.5         # the issue's targets (#40)
 SESSION_HEADER = "x-session-id"
 CLAUDE_SESSION_HEADER = "x-claude-code-session-id"
 EPHEMERAL = {"type": "ephemeral"}
-TURN_OVERHEAD = 64               # a Messages turn's tokens beyond its answer and tool result
+# a Messages turn's tokens beyond its answer and tool result: the template's, the tool call's,
+# and an answer's text that renders back longer than it was generated
+TURN_OVERHEAD = 96
+RESULT_SHARE = 16                # messages: a tool result is 1/16 of the context (demo: 1,024)
 VLLM_DTYPE = "float32"           # as the seed scenario runs vLLM
 VLLM_BLOCK = real_vllm.BLOCK_SIZE
 
@@ -97,7 +103,7 @@ class AgentWorkload:
     kinds: int = 4                   # agent kinds (distinct tool sets); session s is kind s % kinds
     task_tokens: int = 64            # the first user message
     answer_tokens: int = 128         # every answer (chat: ignore_eos; messages: at most)
-    tool_result_tokens: int = 256    # appended after every answer
+    tool_result_tokens: int | None = 256   # appended after every answer (None: messages' fit)
     think_ms: float = 2000.0         # a tool's run between an answer and the next turn (mean)
     start_gap_ms: float = 500.0      # agent s starts within [s, s + 1) gaps
     replicas: int = 3                # gateway replicas behind the balancer
@@ -117,6 +123,12 @@ class AgentWorkload:
     # them). Below 1, caches are scarce, as an agent fleet's are: a backend holds the prefixes
     # of some sessions, not of all, and round robin makes every backend hold every session's
     kv_share: float | None = None
+
+    def fit_to(self, context: int) -> None:
+        """Messages: the model's context, and the tool results' share of it where unset."""
+        self.context = context
+        if self.tool_result_tokens is None:
+            self.tool_result_tokens = context // RESULT_SHARE
 
     def final_prompt_tokens(self) -> int:
         """A session's last prompt, with room for the chat template's tokens per message (for
@@ -168,10 +180,11 @@ class AgentWorkload:
 def workload_for(api: str = "chat", **flags) -> AgentWorkload:
     """The workload of an API's scenario: chat's defaults, or Claude Code's shape for messages
     (8 sessions of 10 turns, the prefix fitted to the context, each engine's KV cache holding
-    3/4 of the sessions' histories); `flags` given win."""
+    half of the sessions' histories, tool results 1/16 of the context); `flags` given win."""
     base = AgentWorkload(api=api)
     if api == "messages":
-        base = AgentWorkload(api=api, sessions=8, turns=10, tool_tokens=None, kv_share=0.75)
+        base = AgentWorkload(api=api, sessions=8, turns=10, tool_tokens=None,
+                             tool_result_tokens=None, kv_share=0.5)
     return target.given(base, **flags)
 
 
@@ -384,8 +397,8 @@ async def run_modes(w: AgentWorkload, lengths: Lengths, timeout: float, slo_ttft
     """Every mode (the API's, unless named), `w.rounds` times over (interleaved), each run on
     fresh engines."""
     modes = tuple(modes or API_MODES[w.api])
-    if w.api == "messages" and w.context is None:
-        w.context = model_context(model)
+    if w.api == "messages":
+        w.fit_to(w.context or model_context(model))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(w.rounds):
         for mode in modes:
@@ -427,7 +440,7 @@ async def start_bundled(w: AgentWorkload, model: str) -> Fleet:
 
 async def start_vllm(w: AgentWorkload, model: str) -> Fleet:
     """`w.engines` vLLM servers (their logs in $PREFIXGATE_VLLM_LOGS when it names a folder),
-    each with KV cache room for every session's whole history."""
+    KV cache blocks for `kv_share` of the sessions (`--num-gpu-blocks-override`)."""
     try:
         await asyncio.to_thread(vllm_install.ensure_vllm)
         model_dir = await asyncio.to_thread(vllm_install.prepare_model, model, VLLM_DTYPE)

@@ -74,8 +74,8 @@ def test_messages_sessions_fill_the_context_beside_ten_turns():
     system prompt takes their share), and the last turn still fits."""
     lengths = Lengths(load_tokenizer("demo"))
     w = agent.workload_for("messages")
-    w.context = agent.model_context("demo")
-    assert (w.sessions, w.turns, w.context) == (8, 10, 16384)
+    w.fit_to(agent.model_context("demo"))
+    assert (w.sessions, w.turns, w.context, w.tool_result_tokens) == (8, 10, 16384, 1024)
     conversations = agent.MessagesConversations(w, lengths, "t")
     built = conversations.built()
     assert abs(built["prefix_tokens_built"] - w.prefix_budget()) <= 8
