@@ -32,7 +32,9 @@ threshold fitted on all trials and judged on them too is an upper bound (biased 
 the fit). Target (issue #41): per_key held-out accuracy <= 55%.
 
 Prints per mode and label the probes' TTFT p10/p50/p90 and cached tokens, and the accuracies;
-`--out FILE` saves them with every trial and the environment as JSON.
+`prefill acc %` is the held-out classifier on the engine's own prefill time instead (its
+Server-Timing `prefill` entry, which the gateway relays to the client). `--out FILE` saves
+them with every trial and the environment as JSON.
 """
 from __future__ import annotations
 
@@ -163,7 +165,7 @@ def classify(trials: list[dict]) -> dict:
     held = round(right / n, 4) if n else None
     best = fit_threshold(halves[0] + halves[1])
     return {"held_out_accuracy": held, "held_out_right": right, "held_out_n": n,
-            "p_value": round(binomial_p(right, n), 6) if n else None, "folds": folds,
+            "p_value": float(f"{binomial_p(right, n):.3g}") if n else None, "folds": folds,
             "best_threshold_accuracy": best["accuracy"], "best_threshold_ms": best["threshold_ms"],
             "best_faster_is_sent": best["faster_is_sent"]}
 
@@ -271,6 +273,12 @@ def mode_record(mode: str, trials: list[dict], wall_s: float) -> dict:
     rec = {"mode": mode, "wall_s": round(wall_s, 1), "errors": len(errors),
            "sent": arm(ok, True), "not_sent": arm(ok, False), "classifier": classify(ok),
            "trials": trials}
+    # the engine's own prefill time, which the gateway relays in Server-Timing: the same
+    # channel, timed without the network and the client
+    prefill = [{**t, "ttft_ms": t["server_timing"]["prefill"]} for t in ok
+               if "prefill" in (t.get("server_timing") or {})]
+    if prefill:
+        rec["prefill_classifier"] = classify(prefill)
     if errors:
         rec["first_error"] = errors[0]
     if mode == "per_key":
@@ -314,7 +322,7 @@ def print_report(archive: dict) -> None:
                   + fmt(a["cached_tokens_min"], 12) + fmt(a["cached_tokens_p50"], 6, 0)
                   + fmt(a["cached_tokens_max"], 6))
     head = (f"{'mode':<9}{'held-out acc %':>15}{'p (chance)':>12}{'best-threshold acc %':>22}"
-            f"{'threshold ms':>14}{'errors':>8}")
+            f"{'threshold ms':>14}{'prefill acc %':>15}{'errors':>8}")
     print("\n" + head + "\n" + "-" * len(head))
     for m in archive["modes"]:
         c = m["classifier"]
@@ -322,7 +330,9 @@ def print_report(archive: dict) -> None:
         print(f"{m['mode']:<9}" + fmt(_pct(c["held_out_accuracy"]), 15, 1)
               + ("-".rjust(12) if p is None else f"{p:12.3g}")
               + fmt(_pct(c["best_threshold_accuracy"]), 22, 1)
-              + fmt(c["best_threshold_ms"], 14, 1) + fmt(m["errors"], 8))
+              + fmt(c["best_threshold_ms"], 14, 1)
+              + fmt(_pct((m.get("prefill_classifier") or {}).get("held_out_accuracy")), 15, 1)
+              + fmt(m["errors"], 8))
     for m in archive["modes"]:
         if "target" in m:
             acc = m["classifier"]["held_out_accuracy"]

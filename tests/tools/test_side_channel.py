@@ -30,6 +30,7 @@ def test_the_side_channel_bench_shows_the_cache_to_b_under_shared_and_never_unde
         c = m["classifier"]
         assert c["held_out_n"] == 8 and len(c["folds"]) == 2
         assert 0.0 <= c["held_out_accuracy"] <= 1.0 and 0.0 <= c["p_value"] <= 1.0
+        assert m["prefill_classifier"]["held_out_n"] == 8     # the engine's Server-Timing
         for arm in ("sent", "not_sent"):
             assert set(m[arm]) >= {"ttft_p10_ms", "ttft_p50_ms", "ttft_p90_ms",
                                    "cached_tokens_p50"}
