@@ -89,7 +89,7 @@ CLAUDE_SESSION_HEADER = "x-claude-code-session-id"
 EPHEMERAL = {"type": "ephemeral"}
 # a Messages turn's tokens beyond its answer and tool result: the template's, the tool call's,
 # and an answer's text that renders back longer than it was generated
-TURN_OVERHEAD = 96
+TURN_OVERHEAD = 128
 RESULT_SHARE = 16                # messages: a tool result is 1/16 of the context (demo: 1,024)
 VLLM_DTYPE = "float32"           # as the seed scenario runs vLLM
 VLLM_BLOCK = real_vllm.BLOCK_SIZE
