@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from prefixgate.backend.block_manager import BlockManager
+from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.common.percentiles import percentile
 from prefixgate.plugins.prefix_route.kv_index import decode_batch
 from prefixgate.plugins.prefix_route.plugin import PrefixRoute
@@ -95,6 +96,8 @@ class SimSeq:
     __slots__ = ("token_ids", "block_table", "block_hashes", "num_hashed_blocks",
                  "num_computed_tokens", "num_cached_tokens", "req", "ctx", "arrived", "backend",
                  "replica")
+    # simulated requests carry no cache_salt and no cache_control pins
+    root_hash, cache_salt, cache_pins, num_pins_applied = ROOT_HASH, None, (), 0
 
     def __init__(self, req, ctx, arrived: float, backend):
         self.token_ids = array("q")             # slices to tuples at C speed, unlike numpy's
