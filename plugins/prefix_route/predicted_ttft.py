@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from prometheus_client import Histogram
 
 from prefixgate.plugins.prefix_keys import prompt_token_ids
+from prefixgate.plugins.prefix_route.indexes import EngineIndex
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
 from prefixgate.plugins.prefix_route.scorer import (
@@ -67,6 +68,10 @@ from prefixgate.proxy.observe import usage
 
 STATE_KEY = "predicted_ttft"        # the request's Routed (ctx.state)
 BYTES_PER_TOKEN = 4                 # a text-keyed prompt's size, without its token ids
+# a session lives on the upstream holding at least this share of its prompt's blocks: every
+# turn repeats the conversation, so its history is most of the prompt, while an upstream that
+# holds only a head many prompts share (the template's, a common preamble) is not its home
+LIVES_SHARE = 0.5
 ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
@@ -90,6 +95,7 @@ class PredictedTTFT(PrefixScorer):
     def __init__(self, gw, keys: PrefixKeys, cfg: dict, index):
         super().__init__(gw, keys, cfg)
         self.index = index           # match(ctx, keys, upstreams) -> {name: leading blocks}
+        self.exact = isinstance(index, EngineIndex)   # the engines' KV events: one view
         rate, overhead = cfg["prior_tokens_per_second"], cfg["prior_overhead_ms"]
         prior = None if rate is None and overhead is None else Prior(
             rate or DEFAULT_PRIOR.tokens_per_s,
@@ -116,28 +122,44 @@ class PredictedTTFT(PrefixScorer):
         self._slots.clear()
 
     # --- the decision ----------------------------------------------------------------------
-    def choose(self, ctx, keys: Keys, upstreams, session=None) -> dict:
+    def choose(self, ctx, keys: Keys, upstreams, session=None, placing: bytes = b"") -> dict:
         matched = keys.matched = self.index.match(ctx, keys, upstreams) if keys.chain else {}
         per_block = self.block_tokens if keys.mode == "tokens" else self.text_block_tokens
         ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
         return self._route(ctx, upstreams, matched, per_block,
-                           self._prompt_tokens(ctx, keys, per_block), session)
+                           self._prompt_tokens(ctx, keys, per_block), session,
+                           placing=placing)
 
     def no_key(self, ctx, upstreams, session=None) -> dict:
         ctx.route_info.update(policy=self.policy, blocks=0)
         tokens = len(ctx.tokens) if ctx.tokens is not None else len(ctx.raw_body) / BYTES_PER_TOKEN
         return self._route(ctx, upstreams, {}, 0, max(tokens, 1), session)
 
-    def for_session(self, ctx, keys: Keys, home, upstreams) -> dict:
-        """Soft mode: the session's upstream is the request's home, kept within the tie."""
+    def for_session(self, ctx, keys: Keys, home, upstreams, session: bytes = b"") -> dict:
+        """Soft mode. Over the engines' KV events (an index every replica reads alike) a
+        session lives where its history is — the one upstream that holds more of its prompt
+        than any other — and stays there until saturated or overloaded (the soft rule); a
+        session that lives nowhere yet is placed by rendezvous hashing among the upstreams
+        predicted within the tie of the fastest: replicas agree, and a busy upstream takes no
+        new session. A hash of the key alone would put few long sessions unevenly (six of
+        eight on one of two engines) and a prediction alone would move a session off its
+        history for one turn's queue. Over the approximate index (each replica its own view)
+        the session's hashed upstream is its home, kept within the tie. (Its history: at
+        least LIVES_SHARE of the prompt's blocks.)"""
         if self.sessions.hard:
-            return super().for_session(ctx, keys, home, upstreams)
+            return super().for_session(ctx, keys, home, upstreams, session)
         if not keys.chain and keys.short is None:
             return self.no_key(ctx, upstreams, home)
+        if self.exact and session and keys.mode == "tokens":
+            keys.matched = self.index.match(ctx, keys, upstreams)
+            lives = sole_longest(keys.matched, upstreams, len(keys.chain) * LIVES_SHARE)
+            if lives is not None:
+                return super().for_session(ctx, keys, lives, upstreams, session)
+            return self.choose(ctx, keys, upstreams, placing=session)
         return self.choose(ctx, keys, upstreams, home)
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
-               session=None, avoid_full: bool = True) -> dict:
+               session=None, avoid_full: bool = True, placing: bytes = b"") -> dict:
         self._settle()
         now = self.clock()
         model = ctx.model
@@ -180,9 +202,16 @@ class PredictedTTFT(PrefixScorer):
                 home, home_m, home_t = row, m, t
         if best is None:                  # every one saturated: the least bad of them
             return self._route(ctx, [row[1] for row in full], matched, per_block, prompt,
-                               session, False)
+                               session, False, placing)
         allowance = max(self.tie_s, self.tie_fraction * best_t)
-        if home is None:
+        if placing:                       # a new session: hashed among the near-fastest
+            tied = [row for row in rows if row[0] <= best_t + allowance]
+            pick = self.sessions.upstream(placing, [row[1] for row in tied])
+            chosen = home = next(row for row in tied if row[1] is pick)
+            outcome = "session"
+            ctx.route_info["session"] = "placed"
+            self.session_routes.labels("placed").inc()
+        elif home is None:
             chosen, outcome = best, "new" if ctx.route_info["blocks"] else "nokey"
         elif home_t <= best_t + allowance:
             chosen, outcome = home, "home"
@@ -201,7 +230,7 @@ class PredictedTTFT(PrefixScorer):
         self.decided(ctx, outcome)
         scores = self._scores(rows, full, chosen, home, best_t, allowance, ties > 1)
         if outcome == "session":
-            scores[session] += SESSION_BONUS
+            scores[chosen[1]] += SESSION_BONUS
         return scores
 
     @staticmethod
@@ -331,3 +360,15 @@ def _header_times(chosen, runner_up) -> str:
         text += f",{runner_up[1].name}:{runner_up[0] * 1e3:.1f}"
     return text
 
+
+def sole_longest(matched: dict[str, int], upstreams, least: float = 1):
+    """The one candidate that holds more leading blocks of the prompt than every other, and
+    at least `least` of them (None: nobody does, or two hold the most)."""
+    best, best_m, runner_m = None, 0, 0
+    for u in upstreams:
+        m = matched.get(u.name, 0)
+        if m > best_m:
+            best, best_m, runner_m = u, m, best_m
+        elif m > runner_m:
+            runner_m = m
+    return best if best_m > runner_m and best_m >= least else None

@@ -51,8 +51,10 @@ class PrefixScorer:
                                  "any policy: session)", ["policy", "outcome"],
                                  registry=gw.registry)
         self.session_routes = Counter("prefixgate_route_sessions", "Requests that named a "
-                                      "session: kept on the session's upstream, or moved off "
-                                      "it (soft mode: saturated or overloaded)", ["outcome"],
+                                      "session: kept on the session's upstream, moved off "
+                                      "it (soft mode: saturated or overloaded), or placed "
+                                      "(predicted_ttft over KV events: a new session)",
+                                      ["outcome"],
                                       registry=gw.registry) if self.sessions else None
         self._outcomes: dict[str, object] = {}     # outcome -> its counter child, bound once
         self._members = None          # the gw.upstreams list the policy's state was built from
@@ -68,7 +70,7 @@ class PrefixScorer:
             source, session = found
             ctx.route_info["session_key"] = f"{source}:{short_hash(session)}"
             scores = self.for_session(ctx, keys, self.sessions.upstream(session, upstreams),
-                                      upstreams)
+                                      upstreams, session)
         else:
             scores = self.by_policy(ctx, keys, upstreams)
         self.report(ctx)
@@ -79,9 +81,9 @@ class PrefixScorer:
             return self.no_key(ctx, upstreams)
         return self.choose(ctx, keys, upstreams)
 
-    def for_session(self, ctx, keys: Keys, home, upstreams) -> dict:
-        """A request of a session: to `home`, its upstream, unless (soft mode) home is
-        saturated or overloaded; then the policy routes it."""
+    def for_session(self, ctx, keys: Keys, home, upstreams, session: bytes = b"") -> dict:
+        """A request of a session (key `session`): to `home`, its upstream, unless (soft
+        mode) home is saturated or overloaded; then the policy routes it."""
         if self.sessions.hard or not (self.saturated(home) or self.overloaded(
                 home.load, min(u.load for u in upstreams))):
             return self.session_kept(ctx, home, self.by_policy(ctx, keys, upstreams))

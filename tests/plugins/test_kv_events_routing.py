@@ -14,11 +14,15 @@ import pytest
 from multidict import CIMultiDict
 
 from prefixgate.common.block_hash import block_hash_chain, salted_root
+from prefixgate.common.schema import check
 from prefixgate.common.tokenizer import Tokenizer
+from prefixgate.plugins.prefix_route.sessions import SPEC as SESSION_SPEC
+from prefixgate.plugins.prefix_route.sessions import Sessions
 from tests.helpers import KVEventsEngine, Serving
 from tests.plugins.helpers import follow_up, tenant
 
 BLOCK = 16
+SESSION_DEFAULTS = check({}, SESSION_SPEC, "session")
 KV_BLOCKS = 40           # an engine holds about four tenants' prompts
 ROUTE = {"policy": "cache_aware", "index": "kv_events", "block_tokens": BLOCK,
          "kv_events_probe_s": 0.2, "kv_events_timeout_s": 0.5}
@@ -162,6 +166,60 @@ async def test_a_tenants_salted_blocks_route_that_tenant_and_no_other(engines, m
                              re.search(r"outcome=(\w+)", r.headers["x-prefixgate-route"])[1])
     assert routed["a"] == ("e0", "cache")
     assert routed["b"][1] != "cache"
+
+
+async def predicted_gateways(make_gateway, engines, model_dir, count: int = 2) -> list:
+    """`count` gateways with predicted_ttft over the engines' events, soft sessions (the
+    defaults), both feeds live on each."""
+    cfg = gateway_config(engines, model_dir)
+    cfg["plugins"][1] = {"prefix_route": {**ROUTE, "policy": "predicted_ttft"}}
+    gws = [await make_gateway(cfg) for _ in range(count)]
+    await until(lambda: all(feeds_of(gw).live == {"e0", "e1"} for gw in gws),
+                what="both feeds live")
+    return gws
+
+
+async def as_session(client, gw, key: str, messages) -> tuple[str, str]:
+    """(upstream, session outcome) of a chat of session `key` through `gw`."""
+    async with client.post(gw.url + "/v1/chat/completions", headers={"x-session-id": key},
+                           json={"messages": messages, "max_tokens": 1,
+                                 "temperature": 0}) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return (r.headers["x-prefixgate-upstream"],
+                re.search(r"session=(\w+)", r.headers["x-prefixgate-route"]).group(1))
+
+
+def hashed_to(key: str, names=("e0", "e1")) -> str:
+    """The upstream a key's rendezvous hash prefers (sessions.py), among `names`."""
+    class Named:
+        def __init__(self, name):
+            self.name = name
+    return Sessions(SESSION_DEFAULTS).upstream(key.encode(), [Named(n) for n in names]).name
+
+
+async def test_a_session_lives_where_the_engines_say_its_history_is(engines, model_dir,
+                                                                    make_gateway, chain):
+    """predicted_ttft over KV events, soft sessions: a session whose history an engine holds
+    (and the other does not) stays there on every replica, even where its key's hash points
+    at the other engine; a new session is placed by that hash among the engines predicted
+    within the tie (idle twins here: both), alike on every replica."""
+    gws = await predicted_gateways(make_gateway, engines, model_dir)
+    key = next(k for k in (f"agent-{i}" for i in range(64)) if hashed_to(k) == "e1")
+    async with aiohttp.ClientSession() as client:
+        await direct(client, engines[0], tenant("H"))        # its first turn, past the gateway
+        history = chain(tenant("H"))
+        await until(lambda: all(holds(gw, "e0", history) == len(history) for gw in gws),
+                    what="H's blocks")
+        for gw in gws:
+            assert await as_session(client, gw, key, follow_up(tenant("H"))) == ("e0", "kept")
+        placed = {}
+        for i in range(6):                  # new sessions: nothing of theirs is held anywhere
+            new = f"new-session-{i}"
+            placed[new] = [await as_session(client, gw, new, tenant(f"new {i} via {n}"))
+                           for n, gw in enumerate(gws)]
+    assert all(p == [(hashed_to(k), "placed")] * 2 for k, p in placed.items()), placed
+    assert {p[0][0] for p in placed.values()} == {"e0", "e1"}, placed
 
 
 async def test_an_engine_restart_is_a_new_cache(engines, model_dir, make_gateway, chain):
