@@ -32,7 +32,8 @@ cached, their hashes are pinned until now + ttl. A pinned block whose last refer
 in `pinned_free`, not in the LRU queue: it is handed out only when the queue is empty, the
 soonest-expiring first, and with a second tier it is copied there first. Expired pins are
 checked whenever blocks are taken or given back; such a block rejoins the queue at its front
-(the client's promise to reuse it ran out, so it is the least likely block to be hit).
+(the client's promise to reuse it ran out, so it is the least likely block to be hit). A pin
+the cap ends rejoins it at the recent end: that promise still holds.
 """
 from __future__ import annotations
 
@@ -242,19 +243,22 @@ class BlockManager:
                     del self.free_queue[bid]
                     self.pinned_free[bid] = None
             for h in ended:
-                self._unpinned(h)
+                self._unpinned(h, expired=False)
 
     def _expire_pins(self) -> None:
         for h in self.pins.expired(self.clock()):
-            self._unpinned(h)
+            self._unpinned(h, expired=True)
 
-    def _unpinned(self, block_hash: int) -> None:
-        """A pin ended: its block, if free, joins the LRU queue at the front (module doc)."""
+    def _unpinned(self, block_hash: int, expired: bool) -> None:
+        """A pin ended: its block, if free, joins the LRU queue — at the front when its ttl ran
+        out (module doc), at the recent end when the cap ended it: the client's promise still
+        holds, so it must not go before blocks nobody promised to reuse."""
         bid = self.cached.get(block_hash)
         if bid is not None and bid in self.pinned_free:
             del self.pinned_free[bid]
             self.free_queue[bid] = None
-            self.free_queue.move_to_end(bid, last=False)
+            if expired:
+                self.free_queue.move_to_end(bid, last=False)
 
     def _unfree(self, bid: int) -> None:
         """Take a free block (a cache hit revives it) out of whichever free list holds it."""

@@ -151,6 +151,25 @@ def test_the_cap_ends_the_soonest_pins_a_prefixs_tail_first():
     assert set(bm.pins.expiry) == set(block_hash_chain(long, BS)[:2])
 
 
+def test_a_pin_the_cap_ends_is_evicted_after_older_unmarked_blocks_and_an_expired_one_first():
+    """The cap ends A's tail pin: A's promise still holds, so that block rejoins the LRU at its
+    recent end and outlives C's older unmarked blocks; once A's ttl runs out, its blocks are
+    the first out."""
+    bm, clock = manager(num_blocks=10, pin_fraction=0.2)   # 2 of 10 blocks
+    C = list(range(40, 49))
+    run(bm, C)                                    # older, unmarked
+    run(bm, A, pins=[(8, TTL)])
+    run(bm, B, pins=[(4, 3600.0)])                # the cap ends A's tail pin
+    a_tail = block_hash_chain(A, BS)[1]
+    assert a_tail not in bm.pins.expiry
+    flood(bm, 1, blocks=5)                        # wants 6 blocks: 4 never hashed, then 2 more
+    assert hit_tokens(bm, C) == 0                 # C's two went
+    assert hit_tokens(bm, A) == 2 * BS            # A's tail stayed
+    clock.now += TTL + 1                          # A's head pin runs out: it goes first now
+    flood(bm, 1, blocks=1)
+    assert hit_tokens(bm, A) == 0
+
+
 def test_pins_off_with_a_zero_fraction_and_without_prefix_caching():
     for kw in ({"pin_fraction": 0.0}, {"enable_prefix_caching": False}):
         bm, _ = manager(**kw)
