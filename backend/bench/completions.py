@@ -19,6 +19,19 @@ class Streamed:
     cached: int = 0                 # prompt tokens the engine served from its cache (usage)
 
 
+async def timed_events(session, url: str, path: str, body: dict):
+    """POST `body` to `url` + `path` and yield (seconds since it was sent, event) for each
+    JSON event of its stream. RuntimeError on a status other than 200."""
+    t0 = time.perf_counter()
+    async with session.post(url + path, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
+        async for raw in read_events(r.content.iter_any()):
+            event = json_of(raw)
+            if isinstance(event, dict):
+                yield time.perf_counter() - t0, event
+
+
 async def stream_completion(session, url: str, prompt: list[int], max_tokens: int = 1,
                             model: str | None = None) -> Streamed:
     """POST one streamed greedy completion of `prompt` (every token generated: ignore_eos) to
@@ -28,21 +41,14 @@ async def stream_completion(session, url: str, prompt: list[int], max_tokens: in
     if model is not None:
         body["model"] = model
     seen = Streamed()
-    t0 = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
-        async for raw in read_events(r.content.iter_any()):
-            chunk = json_of(raw)
-            if not isinstance(chunk, dict):
-                continue
-            if chunk.get("choices"):
-                seen.last_s = time.perf_counter() - t0
-                seen.ttft_s = seen.ttft_s or seen.last_s
-            if usage := chunk.get("usage"):
-                seen.tokens = usage.get("completion_tokens", seen.tokens)
-                details = usage.get("prompt_tokens_details") or {}
-                seen.cached = details.get("cached_tokens") or 0
+    async for elapsed, chunk in timed_events(session, url, "/v1/completions", body):
+        if chunk.get("choices"):
+            seen.last_s = elapsed
+            seen.ttft_s = seen.ttft_s or seen.last_s
+        if usage := chunk.get("usage"):
+            seen.tokens = usage.get("completion_tokens", seen.tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            seen.cached = details.get("cached_tokens") or 0
     return seen
 
 

@@ -20,16 +20,15 @@ import json
 import os
 import statistics
 import sys
-import time
 import uuid
 
 import aiohttp
 
+from prefixgate.backend.bench.completions import timed_events
 from prefixgate.backend.bench.engine_process import engine_process
 from prefixgate.backend.bench.script import THREADS_HELP, run_report_save
 from prefixgate.backend.bench.vocab import MODEL_HELP
 from prefixgate.backend.config import resolve_model
-from prefixgate.common.sse import json_of, read_events
 from prefixgate.common.tokenizer import Tokenizer
 
 SERVED = "bench"
@@ -70,18 +69,11 @@ def body(system: str, marked: bool, messages: list[dict]) -> dict:
 async def send(session, url: str, request: dict) -> dict:
     """One streamed Messages request read to its end: TTFT (the first event comes with the
     first token) and the final usage."""
-    t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with session.post(url + "/v1/messages", json=request) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
-        async for raw in read_events(r.content.iter_any()):
-            event = json_of(raw)
-            if not isinstance(event, dict):
-                continue
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            if event.get("type") == "message_delta":
-                usage = event.get("usage") or usage
+    async for elapsed, event in timed_events(session, url, "/v1/messages", request):
+        ttft = ttft if ttft is not None else elapsed
+        if event.get("type") == "message_delta":
+            usage = event.get("usage") or usage
     read = usage.get("cache_read_input_tokens") or 0
     prompt = usage.get("input_tokens", 0) + read + (usage.get("cache_creation_input_tokens") or 0)
     return {"ttft_s": ttft, "prompt_tokens": prompt, "cache_read": read,
