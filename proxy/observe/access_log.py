@@ -4,9 +4,11 @@
 
 The event loop only hands each finished request's fields to a queue; a writer thread formats
 the lines and writes whatever has gathered in one `write` on an O_APPEND descriptor, so a
-line is never split or interleaved and a slow disk never stalls a request. SIGUSR1 reopens
-the file (after logrotate moved it). A write that fails (disk full) drops lines with a log
-message a minute, never a request.
+line is never split or interleaved and a slow disk never stalls a request. That holds with
+several processes appending to one file too (the kernel appends each `write` whole); to a
+pipe or terminal (`-`), where only writes of up to PIPE_BUF bytes are whole, the lines go in
+writes of at most that. SIGUSR1 reopens the file (after logrotate moved it). A write that
+fails (disk full) drops lines with a log message a minute, never a request.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import json
 import logging
 import os
 import queue
+import select
+import stat
 import sys
 import threading
 import time
@@ -58,6 +62,7 @@ class AccessLog:
         self._queue: queue.Queue = queue.Queue(MAX_PENDING)
         self._reopen = threading.Event()
         self._fd = -1
+        self._write_limit: int | None = None     # bytes one write keeps whole (None: any)
         self._thread = threading.Thread(target=self._run, name="prefixgate-access-log",
                                         daemon=True)
         self._warned_at = 0.0
@@ -96,8 +101,12 @@ class AccessLog:
     # --- the writer thread -----------------------------------------------------------------
     def _open(self) -> int:
         if self.path == "-":
-            return sys.stdout.fileno()
-        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = sys.stdout.fileno()
+        else:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # a file takes each write whole; a pipe or terminal only up to PIPE_BUF bytes
+        self._write_limit = None if stat.S_ISREG(os.fstat(fd).st_mode) else select.PIPE_BUF
+        return fd
 
     def _run(self) -> None:
         while True:
@@ -130,10 +139,12 @@ class AccessLog:
     def _flush(self, lines: list[str]) -> None:
         if not lines:
             return
-        data = ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
+        writes = ([("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")]
+                  if self._write_limit is None else whole_lines(lines, self._write_limit))
         try:
-            while data:
-                data = data[os.write(self._fd, data):]
+            for data in writes:
+                while data:
+                    data = data[os.write(self._fd, data):]
         except OSError as e:
             self.dropped += len(lines)
             self._dropped_told += len(lines)
@@ -161,6 +172,21 @@ class AccessLog:
     def _close_fd(self) -> None:
         if self.path != "-":
             os.close(self._fd)
+
+
+def whole_lines(lines: list[str], limit: int) -> list[bytes]:
+    """`lines` in writes of at most `limit` bytes, each of whole lines (a longer line alone)."""
+    writes, chunk, size = [], [], 0
+    for line in lines:
+        data = (line + "\n").encode("utf-8", "backslashreplace")
+        if chunk and size + len(data) > limit:
+            writes.append(b"".join(chunk))
+            chunk, size = [], 0
+        chunk.append(data)
+        size += len(data)
+    if chunk:
+        writes.append(b"".join(chunk))
+    return writes
 
 
 def json_line(fields: dict) -> str:
