@@ -145,7 +145,8 @@ def url_of(host: str, port: int) -> str:
 
 
 async def start_app(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
-                    shutdown_timeout: float = 60.0, **handler_kw) -> tuple[web.AppRunner, str]:
+                    shutdown_timeout: float = 60.0, reuse_port: bool = False,
+                    **handler_kw) -> tuple[web.AppRunner, str]:
     """Listen on host:port (0 = a free port); return the runner and the base URL.
 
     handler_cancellation=True: when a client disconnects, its handler is cancelled at once,
@@ -153,12 +154,14 @@ async def start_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     `runner.cleanup()` stops listening, then gives running handlers `shutdown_timeout`
     seconds to finish. `handler_kw` go to aiohttp's request handler (max_line_size,
     max_field_size, max_headers: oversized request heads are answered 431). Requests that
-    do not parse get OpenAI-shaped JSON errors, like every other error.
+    do not parse get OpenAI-shaped JSON errors, like every other error. `reuse_port`: bind
+    with SO_REUSEPORT, beside other processes of the same user on the same port (the workers of
+    `prefixgate serve --workers N`: the kernel spreads connections among them).
     """
     runner = _JsonErrorRunner(app, handler_cancellation=True, access_log=None,
                               shutdown_timeout=shutdown_timeout, **handler_kw)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, url_of(bound_host, bound_port)

@@ -52,5 +52,8 @@ def _health(gw, detail: bool) -> web.Response:
 
 
 async def metrics(gw, request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(gw.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    """This process's series; with `serve --workers N`, every worker's, labelled with its
+    index (proxy/worker_metrics.py)."""
+    body = (generate_latest(gw.registry) if gw.siblings is None
+            else await gw.siblings.exposition())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

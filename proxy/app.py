@@ -25,6 +25,7 @@ from prefixgate.proxy import (
     route,
     token_forward,
     warm,
+    worker_metrics,
 )
 from prefixgate.proxy.auth import Auth
 from prefixgate.proxy.chain import TrackingRegistry, build_chain
@@ -45,8 +46,10 @@ log = logging.getLogger("prefixgate")
 
 
 class Gateway:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, worker=None):
         self.config = config
+        # one of the processes of `serve --workers N` (proxy/workers.py `Worker`), or None
+        self.worker = worker
         self.registry: CollectorRegistry = TrackingRegistry()
         self.on_connect: list = []          # (upstream, seconds) callbacks, e.g. metrics
         self.upstreams = [Upstream(u, self.on_connect) for u in config["upstreams"]]
@@ -61,13 +64,17 @@ class Gateway:
         self.chain = build_chain(self, config["plugins"])
         self.response_ids = response_ids.ResponseIds(config["responses"])
         # the access log and traces (None when neither is configured: nothing on the path)
-        self.observer = Observer.from_config(config)
+        self.observer = Observer.from_config(config, worker)
         self.warmer = warm.Warmer(self)
+        # /metrics for every worker (None: this process is the only one)
+        self.siblings = worker_metrics.Siblings(self, worker) if worker is not None else None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.observer is not None:
             self.observer.start()
+        if self.siblings is not None:
+            await self.siblings.start()
         for up in self.upstreams:
             await up.start()
         await self.health.start()
@@ -84,6 +91,8 @@ class Gateway:
             await up.close()
         await self.limits.close()
         await self.warmer.close()
+        if self.siblings is not None:
+            await self.siblings.close()
         if self.observer is not None:
             await asyncio.to_thread(self.observer.close)
 

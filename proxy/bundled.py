@@ -15,6 +15,7 @@ import sys
 from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
 from prefixgate.common.processes import ServerProcess
 from prefixgate.common.runtime import free_port
+from prefixgate.proxy import pd
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
 
@@ -49,8 +50,13 @@ class BundledEngines:
         return subscriber_endpoint(endpoint, self.cfg["host"]) if endpoint else None
 
     def upstream_configs(self, timeouts: dict) -> list[dict]:
-        """The engines as `upstreams:` entries, with every default filled in (and, when they
-        publish KV events with a replay socket, where to subscribe)."""
+        """The engines as `upstreams:` entries, with every default filled in."""
+        return check_upstreams(self.upstream_entries(), timeouts)
+
+    def upstream_entries(self) -> list[dict]:
+        """The engines as `upstreams:` entries as a user would write them (and, when they
+        publish KV events with a replay socket, where to subscribe): plain data, which the
+        worker processes of `serve --workers N` are handed."""
         raw = [{"name": f"{role}{i}" if role != "both" else f"engine{i}", "url": url,
                 "role": role} for i, (url, role) in enumerate(zip(self.urls, self.roles))]
         for entry, config, pub, replay in zip(raw, self.kv_events, self.kv_events_endpoints,
@@ -59,7 +65,7 @@ class BundledEngines:
                 # where prefix_route's `index: kv_events` subscribes
                 entry["kv_events"] = {"endpoint": pub, "replay_endpoint": replay,
                                       "topic": config.topic}
-        return check_upstreams(raw, timeouts)
+        return raw
 
     async def start(self) -> None:
         """Launch the engines and wait until each one's /health says 200, which is after its
@@ -101,3 +107,11 @@ class BundledEngines:
 
     async def stop(self) -> None:
         await asyncio.gather(*(proc.close(timeout=10) for proc in self.procs))
+
+
+def with_engines(cfg: dict, entries: list[dict]) -> dict:
+    """`cfg` with the bundled engines (`BundledEngines.upstream_entries()`) among its upstreams."""
+    upstreams = cfg["upstreams"] + check_upstreams(entries, cfg["timeouts"])
+    if cfg["pd"] is not None:
+        pd.check_roles(upstreams)
+    return {**cfg, "upstreams": upstreams}

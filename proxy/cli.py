@@ -9,16 +9,18 @@ import logging
 import shlex
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import yaml
 from aiohttp.http_exceptions import HttpProcessingError
 
 from prefixgate.backend.config import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+from prefixgate.common.processes import die_with_parent
 from prefixgate.common.runtime import install_uvloop, start_app
 from prefixgate.common.schema import ConfigError
-from prefixgate.proxy import pd
 from prefixgate.proxy.config import gateway as config_mod
+from prefixgate.proxy.workers import Supervisor, Worker
 
 # subcommands with a command line of their own (run_delegated): name -> help
 DELEGATED = {
@@ -112,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "MODEL's config has it already)")
     serve.add_argument("--host", help="listen address (overrides listen.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="gateway processes sharing the port (SO_REUSEPORT), under a "
+                            "supervisor that starts bundled engines once (overrides "
+                            "listen.workers; default 1: one process)")
     serve.add_argument("--access-log", metavar="PATH",
                        help="write the access log, one JSON line per request, to PATH (`-`: "
                             "stdout; overrides access_log.path)")
@@ -208,12 +214,10 @@ def raw_config(args) -> dict:
                 model = str(Path(model).resolve())
             raw["bundled"] = {**raw["bundled"], "model": model}
             raw["plugins"] = with_plugins(raw["plugins"], args.policy, args.normalize)
-    if args.host or args.port is not None:
+    overrides = {"host": args.host, "port": args.port, "workers": args.workers}
+    if any(value is not None for value in overrides.values()):
         listen = raw["listen"] = dict(raw.get("listen") or {})
-        if args.host:
-            listen["host"] = args.host
-        if args.port is not None:
-            listen["port"] = args.port
+        listen.update((key, value) for key, value in overrides.items() if value is not None)
     if args.access_log:
         raw["access_log"] = {**(raw.get("access_log") or {}), "path": args.access_log}
     if args.otlp_traces_endpoint:
@@ -247,10 +251,14 @@ def print_config(args, raw: dict) -> None:
     print(yaml.safe_dump(raw, sort_keys=False), end="")
 
 
-def serve_command(args) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, who: str = "") -> None:
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s{who}: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(not_a_client_error)
+
+
+def serve_command(args) -> int:
+    setup_logging(args.log_level)
     check_serve_args(args)
     if (problem := missing_model(args)) is not None:
         print(f"prefixgate: {problem}", file=sys.stderr)
@@ -265,43 +273,99 @@ def serve_command(args) -> int:
         print_config(args, raw)
         return 0
     install_uvloop()
+    if cfg["listen"]["workers"] > 1:
+        return run_gateway(supervise(cfg, args))
+    return run_gateway(serve(cfg, reload_config=lambda: load_config(args)))
+
+
+def run_gateway(main) -> int:
+    """Run `main` (serve, a worker's serve, or supervise) to its end: the exit status, an
+    error as one line."""
     try:
-        asyncio.run(serve(cfg, reload_config=lambda: load_config(args)))
+        code = asyncio.run(main)
     except ConfigError as e:        # plugin settings are checked when the chain is built
         print(f"prefixgate: config error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError) as e:
         print(f"prefixgate: {e}", file=sys.stderr)
         return 1
-    return 0
+    return code or 0
 
 
-async def serve(cfg: dict, reload_config=None) -> None:
-    """Run until SIGINT/SIGTERM; SIGHUP re-reads the config through `reload_config()`."""
+async def supervise(cfg: dict, args) -> int:
+    """`--workers N`: N processes of `run_worker` under a supervisor (proxy/workers.py), the
+    bundled engines started once, by it."""
     from prefixgate.proxy.app import Gateway
-    from prefixgate.proxy.bundled import BundledEngines
+    from prefixgate.proxy.bundled import BundledEngines, with_engines
 
     engines = None
     if cfg["bundled"] is not None:
         engines = BundledEngines(cfg["bundled"], cfg["tracing"])
-        cfg = with_engines(cfg, engines)
-    gateway = Gateway(cfg)          # builds (and so validates) the plugin chain first
+    entries = engines.upstream_entries() if engines is not None else []
+    cfg = with_engines(cfg, entries)
+    Gateway(cfg)        # builds (and so validates) the plugin chain before anything starts
+    supervisor = Supervisor(cfg, partial(run_worker, args.argv, entries),
+                            lambda: with_engines(load_config(args), entries), engines)
+    return await supervisor.run()
+
+
+def run_worker(argv: list[str], engine_entries: list[dict], worker: Worker, cfg: dict,
+               ready) -> None:
+    """One process of `serve --workers N` (the supervisor spawns it): `serve` on the
+    supervisor's ports; SIGHUP re-reads the config as a single process does, the bundled
+    engines' upstreams (`engine_entries`) added."""
+    from prefixgate.proxy.bundled import with_engines
+
+    for sig in (signal.SIGHUP, signal.SIGUSR1):     # until serve() handles them (the
+        signal.signal(sig, signal.SIG_IGN)          # supervisor holds its own back meanwhile)
+    die_with_parent()
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    setup_logging(args.log_level, f" [worker {worker.index}]")
+    install_uvloop()
+    sys.exit(run_gateway(serve(cfg, lambda: with_engines(load_config(args), engine_entries),
+                               worker, ready)))
+
+
+async def serve(cfg: dict, reload_config=None, worker: Worker | None = None,
+                ready=None) -> None:
+    """Run until SIGINT/SIGTERM; SIGHUP re-reads the config through `reload_config()`.
+    As a `worker` of `serve --workers N`: on the supervisor's ports beside the other workers,
+    its URL sent through `ready` (a pipe's end) once it listens; the supervisor runs the
+    bundled engines."""
+    from prefixgate.proxy.app import Gateway
+    from prefixgate.proxy.bundled import BundledEngines, with_engines
+
+    engines = None
+    if cfg["bundled"] is not None and worker is None:
+        engines = BundledEngines(cfg["bundled"], cfg["tracing"])
+        cfg = with_engines(cfg, engines.upstream_entries())
+    me = "prefixgate: " if worker is None else f"prefixgate: worker {worker.index}: "
+    gateway = Gateway(cfg, worker)      # builds (and so validates) the plugin chain first
     try:
         if engines is not None:
-            print(f"prefixgate: starting {len(engines.urls)} bundled engine(s) on model "
+            print(f"{me}starting {len(engines.urls)} bundled engine(s) on model "
                   f"{cfg['bundled']['model']!r} ...", flush=True)
             await engines.start()
-        runner, url = await start_app(gateway.make_app(), cfg["listen"]["host"],
-                                      cfg["listen"]["port"], **gateway.server_kw())
+        shared = worker is not None         # SO_REUSEPORT, on the ports the supervisor holds
+        listen, admin_listen = cfg["listen"], cfg["admin_listen"]
+        runner, url = await start_app(gateway.make_app(), listen["host"],
+                                      worker.port if shared else listen["port"],
+                                      reuse_port=shared, **gateway.server_kw())
         admin = None
-        if cfg["admin_listen"] is not None:
-            admin, admin_url = await start_app(gateway.make_admin_app(),
-                                               cfg["admin_listen"]["host"],
-                                               cfg["admin_listen"]["port"])
-            print(f"prefixgate: admin (/metrics, /health) on {admin_url}", flush=True)
-        names = ", ".join(f"{u.name}={u.url}" for u in gateway.upstreams)
-        print(f"prefixgate: gateway listening on {url} (OpenAI API at {url}/v1) -> {names}",
-              flush=True)
+        if admin_listen is not None:
+            admin, admin_url = await start_app(
+                gateway.make_admin_app(), admin_listen["host"],
+                worker.admin_port if shared else admin_listen["port"], reuse_port=shared)
+            if not shared:
+                print(f"{me}admin (/metrics, /health) on {admin_url}", flush=True)
+        if shared:
+            ready.send(url)
+            ready.close()
+        else:
+            names = ", ".join(f"{u.name}={u.url}" for u in gateway.upstreams)
+            print(f"{me}gateway listening on {url} (OpenAI API at {url}/v1) -> {names}",
+                  flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -311,14 +375,14 @@ async def serve(cfg: dict, reload_config=None) -> None:
         if reload_config is not None:
             lock = asyncio.Lock()
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(
-                reload(gateway, reload_config, engines, lock)))
+                reload(gateway, reload_config, engines, lock, me)))
         await stop.wait()
-        print(f"prefixgate: shutting down: no new connections; in-flight requests get up to "
+        print(f"{me}shutting down: no new connections; in-flight requests get up to "
               f"{cfg['shutdown_timeout_s']}s", flush=True)
         await runner.cleanup()      # stop listening, drain running handlers, then close
         if admin is not None:
             await admin.cleanup()
-        print("prefixgate: stopped", flush=True)
+        print(f"{me}stopped", flush=True)
     finally:
         if engines is not None:
             await engines.stop()
@@ -331,28 +395,24 @@ def not_a_client_error(record: logging.LogRecord) -> bool:
     return not isinstance(exc, HttpProcessingError)
 
 
-def with_engines(cfg: dict, engines) -> dict:
-    upstreams = cfg["upstreams"] + engines.upstream_configs(cfg["timeouts"])
-    if cfg["pd"] is not None:
-        pd.check_roles(upstreams)
-    return {**cfg, "upstreams": upstreams}
-
-
-async def reload(gateway, reload_config, engines, lock: asyncio.Lock) -> None:
+async def reload(gateway, reload_config, engines, lock: asyncio.Lock,
+                 me: str = "prefixgate: ") -> None:
     """SIGHUP: apply the file's current config, or log why not and keep the running one."""
+    from prefixgate.proxy.bundled import with_engines
+
     log = logging.getLogger("prefixgate")
     async with lock:
         try:
             cfg = reload_config()
             if engines is not None:
-                cfg = with_engines(cfg, engines)
+                cfg = with_engines(cfg, engines.upstream_entries())
             await gateway.reload(cfg)
         except ConfigError as e:
             log.error("config reload refused, keeping the running config: %s", e)
         except Exception:
             log.exception("config reload failed, keeping the running config")
         else:
-            print("prefixgate: config reloaded", flush=True)
+            print(f"{me}config reloaded", flush=True)
 
 if __name__ == "__main__":
     raise SystemExit(main())

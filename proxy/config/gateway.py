@@ -25,6 +25,7 @@ from prefixgate.common.schema import (
     REQUIRED,
     ConfigError,
     Key,
+    at_least,
     check,
     non_negative,
     one_of,
@@ -49,6 +50,8 @@ TOP = {
     "listen": Key(dict, dict, nested={
         "host": Key(str, "127.0.0.1"),
         "port": Key(int, 8080, lambda p: None if 0 <= p < 65536 else "must be 0..65535"),
+        # gateway processes on that port (SO_REUSEPORT), run by a supervisor (proxy/workers.py)
+        "workers": Key(int, 1, at_least(1, " (gateway processes)")),
     }),
     "upstreams": Key(list, list),
     "discovery": Key(dict, None),          # DNS discovery of more upstreams (proxy/discovery.py)

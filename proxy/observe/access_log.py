@@ -5,10 +5,11 @@
 The event loop only hands each finished request's fields to a queue; a writer thread formats
 the lines and writes whatever has gathered in one `write` on an O_APPEND descriptor, so a
 line is never split or interleaved and a slow disk never stalls a request. That holds with
-several processes appending to one file too (the kernel appends each `write` whole); to a
-pipe or terminal (`-`), where only writes of up to PIPE_BUF bytes are whole, the lines go in
-writes of at most that. SIGUSR1 reopens the file (after logrotate moved it). A write that
-fails (disk full) drops lines with a log message a minute, never a request.
+several processes appending to one file too (`serve --workers N`, whose lines carry the
+writing worker's index as `worker`: the kernel appends each `write` whole); to a pipe or
+terminal (`-`), where only writes of up to PIPE_BUF bytes are whole, the lines go in writes
+of at most that. SIGUSR1 reopens the file (after logrotate moved it). A write that fails
+(disk full) drops lines with a log message a minute, never a request.
 """
 from __future__ import annotations
 
@@ -200,8 +201,8 @@ def text_line(f: dict) -> str:
     ts = datetime.fromtimestamp(f["ts"], timezone.utc).strftime("%d/%b/%Y:%H:%M:%S +0000")
     head = (f'{f["client"] or "-"} - {f["key"] or "-"} [{ts}] "{f["method"]} {f["path"]}" '
             f'{f["status"]} {f["bytes_out"]}')
-    pairs = [f"{k}={_text_value(f[k])}" for k in FIELDS[6:] if k not in ("status", "bytes_out")
-             and f[k] is not None]
+    pairs = [f"{k}={_text_value(f[k])}" for k in (*FIELDS[6:], "worker")
+             if k not in ("status", "bytes_out") and f.get(k) is not None]
     return " ".join([head, f"request_id={f['request_id']}", *pairs])
 
 

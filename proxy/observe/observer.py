@@ -38,17 +38,22 @@ class Attempt:
 
 
 class Observer:
-    def __init__(self, log: AccessLog | None, spans: SpanExport | None):
+    def __init__(self, log: AccessLog | None, spans: SpanExport | None,
+                 worker: int | None = None):
         self.log = log
         self.spans = spans
+        self.worker = worker        # `serve --workers N`: this process's index, in every line
 
     @classmethod
-    def from_config(cls, config: dict) -> Observer | None:
+    def from_config(cls, config: dict, worker=None) -> Observer | None:
+        """`worker`: a worker of `serve --workers N` (proxy/workers.py), or None."""
         log_cfg, trace_cfg = config.get("access_log"), config.get("tracing")
         if log_cfg is None and trace_cfg is None:
             return None
+        index = worker.index if worker is not None else None
         return cls(AccessLog(log_cfg) if log_cfg is not None else None,
-                   SpanExport(trace_cfg) if trace_cfg is not None else None)
+                   SpanExport(trace_cfg, worker=index) if trace_cfg is not None else None,
+                   index)
 
     def start(self) -> None:
         if self.log is not None:
@@ -138,6 +143,8 @@ class Observer:
                         traced)
 
     def _write(self, ctx, fields: dict, traced: bool) -> None:
+        if self.worker is not None:
+            fields["worker"] = self.worker
         if self.log is not None:
             self.log.write(fields)
         if traced:

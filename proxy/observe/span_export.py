@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import queue
 import random
 import signal
+import socket
 import struct
 import urllib.error
 import urllib.request
@@ -50,7 +52,7 @@ class SpanExport:
     SERVER, CLIENT = SERVER, CLIENT
 
     def __init__(self, cfg: dict, batch_size: int = 256, flush_s: float = 0.1,
-                 max_batches: int = 256):
+                 max_batches: int = 256, worker: int | None = None):
         from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
         from opentelemetry.trace import get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -66,8 +68,9 @@ class SpanExport:
         self.batch_size, self.flush_s = batch_size, flush_s
         self._batch: list[tuple] = []
         self._queue = _MP.Queue(max_batches)
-        self._child = _MP.Process(target=export_main, args=(cfg, self._queue), daemon=True,
-                                  name="prefixgate-otlp-export")
+        self._child = _MP.Process(target=export_main,
+                                  args=(cfg, self._queue, worker_resource(worker)),
+                                  daemon=True, name="prefixgate-otlp-export")
         self._timer = None
         self._quiet = RateLimitedLog()
         self.dropped = 0
@@ -136,10 +139,11 @@ class SpanExport:
 
 # --- the export process ------------------------------------------------------------------
 
-def export_main(cfg: dict, batches) -> None:
-    """Batches of span tuples in, OTLP/HTTP protobuf exports out, until None arrives."""
+def export_main(cfg: dict, batches, resource: dict | None = None) -> None:
+    """Batches of span tuples in, OTLP/HTTP protobuf exports out, until None arrives.
+    `resource`: attributes besides service.name (a worker's: `worker_resource`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the gateway decides when this ends
-    encoder = Encoder(cfg["service_name"])
+    encoder = Encoder(cfg["service_name"], resource)
     url, timeout = traces_url(cfg["otlp_endpoint"]), cfg["export_timeout_s"]
     quiet = RateLimitedLog()
     while (batch := batches.get()) is not None:
@@ -165,8 +169,9 @@ class Encoder:
     (model, upstream, method, status) are encoded once; timings reuse their key's prefix.
     """
 
-    def __init__(self, service_name: str):
-        resource = _attribute(1, "service.name", service_name)     # Resource.attributes
+    def __init__(self, service_name: str, resource_attributes: dict | None = None):
+        resource = b"".join(_attribute(1, key, value) for key, value in      # Resource.attributes
+                            {"service.name": service_name, **(resource_attributes or {})}.items())
         scope = _ld(1, _ld(1, b"prefixgate"))                 # ScopeSpans.scope (name)
         self._resource, self._scope = _ld(1, resource), scope    # ResourceSpans.resource
         self._reused: dict[tuple, bytes] = {}
@@ -203,6 +208,16 @@ class Encoder:
         if error is not None:                   # Status {message = 2, code = 3}
             parts.append(_ld(15, _ld(2, error.encode()) + b"\x18" + _varint(STATUS_ERROR)))
         return _ld(2, b"".join(parts))          # ScopeSpans.spans
+
+
+def worker_resource(worker: int | None) -> dict:
+    """The resource attributes of a worker of `serve --workers N` (called in the worker):
+    its `service.instance.id` (host, the supervisor's pid, its index: the same across its
+    restarts) and `prefixgate.worker`, its index. None: a gateway alone, neither."""
+    if worker is None:
+        return {}
+    return {"service.instance.id": f"{socket.gethostname()}-{os.getppid()}-{worker}",
+            "prefixgate.worker": worker}
 
 
 def _attribute(field: int, key: str, value) -> bytes:

@@ -2,7 +2,8 @@
 
 It accepts `POST /v1/traces` (protobuf `ExportTraceServiceRequest`, decoded with
 opentelemetry-proto, gzip or not) and keeps every span as a plain dict: name, kind, ids in
-hex, parent, attributes, events, times and the sending service's name.
+hex, parent, attributes, events, times, the sending service's name and its resource's
+attributes.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def decode(payload: bytes) -> list[dict]:
     request.ParseFromString(payload)
     spans = []
     for rs in request.resource_spans:
-        service = _attributes(rs.resource.attributes).get("service.name")
+        resource = _attributes(rs.resource.attributes)
+        service = resource.get("service.name")
         for ss in rs.scope_spans:
             for s in ss.spans:
                 spans.append({
@@ -49,7 +51,7 @@ def decode(payload: bytes) -> list[dict]:
                     "events": [{"name": e.name, "time_ns": e.time_unix_nano,
                                 "attributes": _attributes(e.attributes)} for e in s.events],
                     "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                    "status": s.status.code, "service": service})
+                    "status": s.status.code, "service": service, "resource": resource})
     return spans
 
 

@@ -8,11 +8,12 @@ from tests.gateway.helpers import Serve
 
 @pytest.fixture
 async def serve_process():
-    """`await serve_process(path)` → a running `prefixgate serve --config path`, killed after."""
+    """`await serve_process(path, *args)` → a running `prefixgate serve --config path ARGS`
+    (path None: `serve ARGS`), killed after."""
     procs = []
 
-    async def start(path):
-        p = await Serve(path).start()
+    async def start(path, *args, **kw):
+        p = await Serve(path, *args, **kw).start()
         procs.append(p)
         return p
     yield start

@@ -22,24 +22,26 @@ def open_fds(pid: int) -> int:
 
 
 class Serve:
-    """`prefixgate serve --config FILE` in a child process, its URL read from stdout."""
+    """`prefixgate serve --config FILE ARGS` (or `serve ARGS` without a file) in a child
+    process, its URL (and the whole line that says it) read from stdout."""
 
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, path=None, *args, timeout: float = 20):
+        self.argv = [*(["--config", str(path)] if path is not None else []), *args]
+        self.timeout = timeout
         self.proc = None
-        self.url = ""
+        self.url = self.line = ""
         self.output: list[str] = []
 
     async def start(self):
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "prefixgate.proxy.cli", "serve", "--config", str(self.path),
+            sys.executable, "-m", "prefixgate.proxy.cli", "serve", *self.argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         while not self.url:
-            line = (await asyncio.wait_for(self.proc.stdout.readline(), 20)).decode()
+            line = (await asyncio.wait_for(self.proc.stdout.readline(), self.timeout)).decode()
             assert line, "serve exited: " + "".join(self.output)
             self.output.append(line)
             m = re.search(r"listening on (http://\S+)", line)
-            self.url = m.group(1) if m else ""
+            self.url, self.line = (m.group(1), line) if m else ("", "")
         asyncio.get_running_loop().create_task(self._drain())
         return self
 

@@ -54,7 +54,7 @@ def test_plugin_settings_are_validated_when_the_chain_is_built(plugins, message)
 def test_defaults_fill_in_and_per_upstream_timeouts_override():
     cfg = config.validate({"timeouts": {"idle": 5}, "upstreams": [
         {"url": "http://h:1/"}, {"url": "http://h:2", "timeouts": {"connect": 1}}]})
-    assert cfg["listen"] == {"host": "127.0.0.1", "port": 8080}
+    assert cfg["listen"] == {"host": "127.0.0.1", "port": 8080, "workers": 1}
     a, b = cfg["upstreams"]
     assert a["url"] == "http://h:1" and a["name"] == "h:1"
     assert a["timeouts"] == {"connect": 5.0, "first_byte": 120.0, "idle": 5}
