@@ -68,14 +68,22 @@ class Metrics(Plugin):
                                    ["protocol", "outcome"], registry=reg)
         reg.register(_InflightCollector(gw))
         gw.on_connect.append(self._observe_connect)
+        # (metric, label values) -> its child: a lookup here costs a fraction of labels()
+        self._children: dict = {}
+
+    def _child(self, metric, *values: str):
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[metric, values] = metric.labels(*values)
+        return child
 
     def _observe_connect(self, upstream, seconds: float) -> None:
-        self.connect.labels(upstream.name).observe(seconds)
+        self._child(self.connect, upstream.name).observe(seconds)
 
     def on_finish(self, ctx, error):
         # a model no upstream serves is the client's free text: not a label (cardinality)
         model = ctx.model if ctx.upstream is not None and ctx.model is not None else ""
-        self.requests.labels(str(ctx.status or 0), model).inc()
+        self._child(self.requests, str(ctx.status or 0), model).inc()
         queued = ctx.since("plugins_done", "admitted")
         if queued is not None:
             self.queue.observe(queued)
@@ -85,14 +93,14 @@ class Metrics(Plugin):
         if ttft is None or ctx.upstream is None:
             return
         name = ctx.upstream.name
-        self.ttft.labels(name).observe(ttft)
+        self._child(self.ttft, name).observe(ttft)
         stages = breakdown.segments(ctx)
         for stage, child in self._stage_children:
             child.observe(stages[stage])
         tpot = None
         if ctx.chunks > 1 and "done" in ctx.t:
             tpot = ctx.since("first_byte", "done") / (ctx.chunks - 1)
-            self.tpot.labels(name).observe(tpot)
+            self._child(self.tpot, name).observe(tpot)
         if error is None and ctx.status == 200 and ttft <= self.slo_ttft and (
                 self.slo_tpot is None or tpot is None or tpot <= self.slo_tpot):
             self.goodput.inc()

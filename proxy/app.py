@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from functools import partial
 
 from aiohttp import web
@@ -196,9 +196,10 @@ class Gateway:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """One proxied request: parse → chain → decide → exchange → relay → finish."""
         # the route's own path, never the request's: nothing a client sends picks the URL
-        ctx = RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-                             path=endpoint.path, body={}, headers=request.headers,
-                             endpoint=endpoint, target=upstream_path(endpoint, request))
+        request_id = request.headers.get("x-request-id") or secrets.token_hex(16)
+        ctx = RequestContext(request_id=request_id, path=endpoint.path, body={},
+                             headers=request.headers, endpoint=endpoint,
+                             target=upstream_path(endpoint, request))
         ctx.stamp("received")
         if self.observer is not None:
             self.observer.begin(request, ctx)

@@ -29,6 +29,8 @@ def too_large(limit: int) -> HTTPError:
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 when it has not arrived within `timeout_s` (slowloris)."""
+    if request.content.is_eof():        # all here already (it came with the head): no timer
+        return await request.read()
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()

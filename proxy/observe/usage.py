@@ -19,6 +19,8 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 def from_stream(tail) -> dict | None:
     """The last data event that has a `usage` key, parsed (None: no such event)."""
+    if b'"usage"' not in b"".join(tail):
+        return None                 # most streams: no usage asked for, nothing to split
     for raw in reversed(sse.events_in(tail)):
         if b'"usage"' in raw:
             event = sse.json_of(raw)
