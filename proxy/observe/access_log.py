@@ -2,8 +2,9 @@
 
     access_log: {path: /var/log/prefixgate/access.log, format: json}   # or path "-": stdout
 
-The event loop only hands each finished request's fields to a queue; a writer thread formats
-the lines and writes whatever has gathered in one `write` on an O_APPEND descriptor, so a
+The event loop only appends each finished request's fields to a deque (no lock, no wake-up);
+a writer thread, waking every FLUSH_S, formats the lines and writes whatever has gathered in
+one `write` on an O_APPEND descriptor, so a
 line is never split or interleaved and a slow disk never stalls a request. That holds with
 several processes appending to one file too (`serve --workers N`, whose lines carry the
 writing worker's index as `worker`: the kernel appends each `write` whole); to a pipe or
@@ -16,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import select
 import stat
 import sys
 import threading
 import time
+from collections import deque
 from datetime import datetime, timezone
 
 from prefixgate.common.schema import ConfigError, Key, check, one_of
@@ -38,9 +39,11 @@ FIELDS = ("ts", "request_id", "client", "key", "method", "path", "model", "strea
           "moved", "warm", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms",
           "gateway_ms", "queue_ms", "connect_ms", "upstream_ttft_ms", "engine_queue_ms",
           "prefill_ms", "first_decode_ms", "duration_ms", "bytes_out", "error")
-_WAKE, _STOP = object(), object()
+_REOPEN, _STOP = object(), object()
 WARN_EVERY_S = 60.0
 MAX_PENDING = 100_000          # lines waiting for a disk that does not keep up; then dropped
+FLUSH_S = 0.05                 # the writer wakes this often (at once for a reopen or a stop)
+WRITE_LINES = 4096             # lines in one write, at most
 
 
 def validate(raw, path: str = "access_log") -> dict | None:
@@ -60,8 +63,10 @@ class AccessLog:
     def __init__(self, cfg: dict):
         self.path = cfg["path"]
         self.format = text_line if cfg["format"] == "text" else json_line
-        self._queue: queue.Queue = queue.Queue(MAX_PENDING)
-        self._reopen = threading.Event()
+        # finished requests' fields (and the _REOPEN, _STOP marks), appended by the event
+        # loop, taken by the writer thread: a deque's append and popleft need no lock
+        self._pending: deque = deque()
+        self._wake = threading.Event()
         self._fd = -1
         self._write_limit: int | None = None     # bytes one write keeps whole (None: any)
         self._thread = threading.Thread(target=self._run, name="prefixgate-access-log",
@@ -76,27 +81,23 @@ class AccessLog:
 
     def write(self, fields: dict) -> None:
         """Queue one finished request's fields (the keys of FIELDS); never blocks."""
-        try:
-            self._queue.put_nowait(fields)
-        except queue.Full:
+        if len(self._pending) >= MAX_PENDING:
             self.dropped += 1
+        else:
+            self._pending.append(fields)
 
     def reopen(self) -> None:
         """Reopen the file by its name (SIGUSR1, after logrotate moved it): lines queued
         from now on go to the new file."""
-        self._reopen.set()
-        try:
-            self._queue.put_nowait(_WAKE)
-        except queue.Full:
-            pass                  # the writer is busy anyway: it sees the flag next round
+        self._pending.append(_REOPEN)
+        self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write what is queued, then close the file."""
+        """Write what is queued, then close the file (within `timeout_s`: a disk that hangs
+        keeps what is queued)."""
         if self._thread.is_alive():
-            try:
-                self._queue.put(_STOP, timeout=timeout_s)
-            except queue.Full:          # a disk that hangs: give up on what is queued
-                return
+            self._pending.append(_STOP)
+            self._wake.set()
             self._thread.join(timeout_s)
 
     # --- the writer thread -----------------------------------------------------------------
@@ -110,32 +111,29 @@ class AccessLog:
         return fd
 
     def _run(self) -> None:
-        while True:
-            items = [self._queue.get()]
-            while len(items) < 4096:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            lines, stop = [], False
-            for item in items:
+        pending, stop = self._pending, False
+        while not stop:
+            self._wake.wait(FLUSH_S)
+            self._wake.clear()
+            lines = []
+            while pending and not stop:
+                item = pending.popleft()
                 if item is _STOP:
                     stop = True
-                elif item is _WAKE:
+                elif item is _REOPEN:
                     self._flush(lines)          # what came before the signal: the old file
                     lines = []
-                    if self._reopen.is_set():
-                        self._reopen.clear()
-                        self._reopen_file()
+                    self._reopen_file()
                 else:
                     lines.append(self.format(item))
+                    if len(lines) >= WRITE_LINES:
+                        self._flush(lines)
+                        lines = []
             self._flush(lines)
             if self.dropped > self._dropped_told:       # the queue overflowed meanwhile
                 self._dropped_told = self.dropped
                 self._warn_dropped("lines come faster than the file takes them")
-            if stop:
-                self._close_fd()
-                return
+        self._close_fd()
 
     def _flush(self, lines: list[str]) -> None:
         if not lines:
