@@ -51,7 +51,7 @@ class SpanExport:
     """The gateway's tracer: `begin` a request's trace, `record` its finished spans."""
     SERVER, CLIENT = SERVER, CLIENT
 
-    def __init__(self, cfg: dict, batch_size: int = 256, flush_s: float = 0.1,
+    def __init__(self, cfg: dict, batch_size: int = 1024, flush_s: float = 0.25,
                  max_batches: int = 256, worker: int | None = None):
         from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
         from opentelemetry.trace import get_current_span
