@@ -7,10 +7,11 @@ process; this process is the client. Prints medians over rounds and ratios vs ng
 
     python -m prefixgate.proxy.bench.overhead --concurrency 1,32 --requests 2000 --rounds 3
 
-`--observe` adds two more gateways: `gateway+log` (the JSON access log to a file) and
+`--observe` adds three more gateways: `gateway+log` (the JSON access log to a file),
 `gateway+trace` (tracing at sample ratio 1.0 to a live OTLP/HTTP receiver in its own process,
 which acknowledges each export without decoding it: a collector's parsing is its own CPU, on
-another machine in production), reported against the plain gateway of the same round.
+another machine in production) and `gateway+both` (the two at once), reported against the
+plain gateway of the same round.
 
 `--limits` adds three gateways with an API key (every request of every target carries it):
 `gateway+key` (the key, no limit), `gateway+limit` (a requests- and tokens-per-minute limit
@@ -24,6 +25,13 @@ prints what the gateway adds on Messages over what it adds on chat, per concurre
 (gateway+messages − direct+messages) − (gateway − direct), at p50.
 
     python -m prefixgate.proxy.bench.overhead --api messages --concurrency 1 --no-nginx
+
+`--workers N` runs every gateway as `prefixgate serve --workers N` (N processes on one port)
+and nginx with `worker_processes N` (without it: one gateway process, nginx `auto`). A
+target's proxy CPU counts all its processes: nginx's master and workers, the gateway's
+supervisor, workers and span exporters.
+
+    python -m prefixgate.proxy.bench.overhead --workers 2 --concurrency 32 --rounds 3 --observe
 """
 from __future__ import annotations
 
@@ -46,7 +54,7 @@ from prefixgate.common.processes import ServerProcess
 from prefixgate.common.runtime import free_port, install_uvloop, wait_ready
 
 NGINX_CONF = """
-worker_processes auto;
+worker_processes {workers};
 daemon off;
 pid {tmp}/nginx.pid;
 error_log {tmp}/error.log warn;
@@ -140,9 +148,10 @@ async def run_cell(url: str, concurrency: int, requests: int, warmup: int,
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children (nginx workers), from /proc."""
+    """User + system CPU of a process and all its descendants (nginx's workers, the gateway's
+    workers and their span exporters), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    parent, cpu = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -150,17 +159,24 @@ def cpu_seconds(pid: int) -> float:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry) == pid or int(fields[1]) == pid:     # fields[1] is the parent pid
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        parent[int(entry)] = int(fields[1])        # fields[1] is the parent pid
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+
+    def descends(p: int) -> bool:
+        while p > 1 and p != pid:
+            p = parent.get(p, 0)
+        return p == pid
+    return sum(seconds for p, seconds in cpu.items() if descends(p))
 
 
 def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
                   observe: bool = False, limits: bool = False,
-                  messages: bool = False) -> tuple[dict, list, dict]:
+                  messages: bool = False, workers: int | None = None) -> tuple[dict, list, dict]:
     """Start the upstream, nginx and the gateway(s); return their URLs, processes and the pid
     whose CPU counts as each target's proxy cost (none for direct); with `messages`, also
-    `<target>+messages` for direct, nginx and gateway (the same servers, Messages' path)."""
+    `<target>+messages` for direct, nginx and gateway (the same servers, Messages' path).
+    `workers`: the gateways' processes (`listen.workers`) and nginx's `worker_processes`
+    (None: one gateway process, nginx `auto`)."""
     procs, targets, pids = [], {}, {}
     up_port = free_port("127.0.0.1")
     procs.append(spawn([sys.executable, "-m", "prefixgate.proxy.testing.standin",
@@ -169,7 +185,8 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
     if nginx_bin:
         port = free_port("127.0.0.1")
         conf = tmp / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(tmp=tmp, upstream_port=up_port, port=port))
+        conf.write_text(NGINX_CONF.format(tmp=tmp, upstream_port=up_port, port=port,
+                                          workers=workers or "auto"))
         procs.append(spawn([nginx_bin, "-c", str(conf), "-p", str(tmp)]))
         targets["nginx"] = f"http://127.0.0.1:{port}"
         pids["nginx"] = procs[-1].pid
@@ -181,12 +198,13 @@ def start_servers(tmp: Path, tokens: int, nginx_bin: str | None,
         extras["gateway+log"] = f"access_log: {{path: '{tmp / 'access.log'}', format: json}}\n"
         extras["gateway+trace"] = (f"tracing: {{otlp_endpoint: 'http://127.0.0.1:{otlp_port}',"
                                    f" sample_ratio: 1.0}}\n")
+        extras["gateway+both"] = extras["gateway+log"] + extras["gateway+trace"]
     if limits:
         extras.update(limit_gateways(procs))
     for name, extra in extras.items():
         port = free_port("127.0.0.1")
         cfg = tmp / f"{name}.yaml"
-        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}, workers: {workers or 1}}}\n"
                        f"upstreams:\n  - {{name: a, url: 'http://127.0.0.1:{up_port}', "
                        f"max_inflight: 4096, max_connections: 128}}\n"
                        f"plugins:\n  - least_inflight: {{}}\n  - metrics: {{}}\n{extra}")
@@ -227,7 +245,7 @@ async def measure(args) -> dict:
               file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="pg-overhead-") as tmpdir:
         targets, procs, pids = start_servers(Path(tmpdir), args.tokens, nginx_bin, args.observe,
-                                             args.limits, args.api == "messages")
+                                             args.limits, args.api == "messages", args.workers)
         try:
             for url in targets.values():
                 await wait_ready(url, "/health")    # /v1/models wants the key where one is set
@@ -287,13 +305,17 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1, help="SSE content events per response")
     p.add_argument("--no-nginx", action="store_true")
     p.add_argument("--observe", action="store_true",
-                   help="also measure the gateway with the access log on and with tracing on")
+                   help="also measure the gateway with the access log on, with tracing on, "
+                        "and with both")
     p.add_argument("--limits", action="store_true",
                    help="also measure the gateway with an API key, with a rate limit, and with "
                         "the limit counted in Redis")
     p.add_argument("--api", choices=["chat", "messages"], default="chat",
                    help="messages: also measure Anthropic's Messages API (/v1/messages) on "
                         "direct, nginx and gateway, beside chat")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="run each gateway as `serve --workers N` and nginx with "
+                        "`worker_processes N` (default: one gateway process, nginx auto)")
     p.add_argument("--out", help="save results and settings as JSON")
     args = p.parse_args(argv)
     install_uvloop()
