@@ -38,6 +38,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from prefixgate.common.runtime import url_of
+
 log = logging.getLogger("prefixgate.workers")
 
 RESTART_FIRST_S = 0.5        # a worker that died after a stable run is restarted this soon
@@ -121,42 +123,22 @@ class Supervisor:
         self.started = False                     # every worker listened once
         self._changed = asyncio.Event()          # a worker listened or exited, or a signal
         self._held: list[socket.socket] = []
-        self._worker: dict = {}
+        self._shared: dict = {}                  # what every worker is told but its index
 
     async def run(self) -> int:
         """Start, serve until SIGINT/SIGTERM, stop; the exit status."""
-        listen, admin = self.cfg["listen"], self.cfg["admin_listen"]
-        self._held.append(hold_port(listen["host"], listen["port"]))
-        if admin is not None:
-            self._held.append(hold_port(admin["host"], admin["port"]))
-        ports = [s.getsockname()[1] for s in self._held]
+        self._hold_ports()
         run_dir = tempfile.mkdtemp(prefix="prefixgate-workers-")
-        self._worker = {"count": len(self.slots), "run_dir": run_dir, "port": ports[0],
-                        "admin_port": ports[1] if admin is not None else None}
-        loop = asyncio.get_running_loop()
+        self._shared["run_dir"] = run_dir
         try:
             if self.engines is not None:
                 print(f"prefixgate: starting {len(self.engines.urls)} bundled engine(s) on "
                       f"model {self.cfg['bundled']['model']!r} ...", flush=True)
                 await self.engines.start()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._stop)
-            loop.add_signal_handler(signal.SIGHUP, self._reload)
-            loop.add_signal_handler(signal.SIGUSR1, self._forward, signal.SIGUSR1)
-            for slot in self.slots:
-                self._spawn(slot)
-            while not self.stopping and self.failed is None and not all(
-                    s.ready for s in self.slots):
-                await self._next_change()
-            if self.failed is not None:
-                code = self.failed.process.exitcode
-                print(f"prefixgate: worker {self.failed.index} failed to start "
-                      f"({_exit_reason(code)}); stopping", flush=True)
-                await self._stop_workers()
-                return code if code and code > 0 else 1
-            self.started = True
-            if not self.stopping:
-                self._announce()
+            self._handle_signals()
+            failed = await self._start_workers()
+            if failed is not None:
+                return failed
             while not self.stopping:
                 await self._next_change()
             print(f"prefixgate: shutting down {len(self.slots)} workers: no new connections; "
@@ -165,19 +147,65 @@ class Supervisor:
             print("prefixgate: stopped", flush=True)
             return 0 if clean else 1
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
-                loop.remove_signal_handler(sig)
-            for slot in self.slots:
-                self._cancel_restart(slot)
-                if slot.process is not None and slot.process.exitcode is None:
-                    self._unwatch(slot)
-                    slot.process.kill()
-                    slot.process.join()
-            if self.engines is not None:
-                await self.engines.stop()
+            await self._clean_up()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _hold_ports(self) -> None:
+        listen, admin = self.cfg["listen"], self.cfg["admin_listen"]
+        try:
+            self._held.append(hold_port(listen["host"], listen["port"]))
+            if admin is not None:
+                self._held.append(hold_port(admin["host"], admin["port"]))
+        except OSError:
             for held in self._held:
                 held.close()
-            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        ports = [s.getsockname()[1] for s in self._held]
+        self._shared = {"count": len(self.slots), "port": ports[0],
+                        "admin_port": ports[1] if admin is not None else None}
+
+    def _handle_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        loop.add_signal_handler(signal.SIGUSR1, self._forward, signal.SIGUSR1)
+
+    async def _start_workers(self) -> int | None:
+        """Start every worker and wait until each listens (then say where): None; or, when
+        one exits first, stop the others: the exit status to end with."""
+        for slot in self.slots:
+            self._spawn(slot)
+        while not self.stopping and self.failed is None and not all(
+                s.ready for s in self.slots):
+            await self._next_change()
+        if self.failed is not None:
+            code = self.failed.process.exitcode
+            print(f"prefixgate: worker {self.failed.index} failed to start "
+                  f"({_exit_reason(code)}); stopping", flush=True)
+            await self._stop_workers()
+            return code if code and code > 0 else 1
+        self.started = True
+        if not self.stopping:
+            self._announce()
+        return None
+
+    async def _clean_up(self) -> None:
+        """Whatever is left when the supervisor ends, however it ends: no handlers, no
+        workers, no engines, no held ports."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+            loop.remove_signal_handler(sig)
+        for slot in self.slots:
+            self._cancel_restart(slot)
+            if slot.process is not None and slot.process.exitcode is None:
+                self._unwatch(slot)
+                slot.process.kill()
+                slot.process.join()
+        if self.engines is not None:
+            await self.engines.stop()
+        for held in self._held:
+            held.close()
 
     def _announce(self) -> None:
         url = self.slots[0].url
@@ -188,7 +216,7 @@ class Supervisor:
         admin = self.cfg["admin_listen"]
         if admin is not None:
             print(f"prefixgate: admin (/metrics, /health) on "
-                  f"http://{admin['host']}:{self._worker['admin_port']}", flush=True)
+                  f"{url_of(admin['host'], self._shared['admin_port'])}", flush=True)
 
     async def _next_change(self) -> None:
         await self._changed.wait()
@@ -200,7 +228,7 @@ class Supervisor:
         if self.stopping:
             return
         reader, writer = _MP.Pipe(duplex=False)
-        worker = Worker(index=slot.index, **self._worker)
+        worker = Worker(index=slot.index, **self._shared)
         slot.process = _MP.Process(target=self.run_worker, args=(worker, self.cfg, writer),
                                    name=f"prefixgate-worker-{slot.index}")
         slot.process.start()

@@ -120,8 +120,8 @@ async def test_requests_spread_over_workers_counted_once_in_metrics_and_log(
 async def test_sighup_reloads_every_worker(tmp_path, make_standin, serve_process):
     a, b = await make_standin(), await make_standin()
     path = tmp_path / "gw.yaml"
-    base = {"listen": {"port": 0, "workers": 2}, "health": {"interval_s": 0},
-            "plugins": ["metrics"]}
+    base = {"listen": {"port": 0, "workers": 2}, "admin_listen": {"port": 0},
+            "health": {"interval_s": 0}, "plugins": ["metrics"]}
     path.write_text(yaml.safe_dump({**base, "upstreams": [{"name": "a", "url": a.url}]}))
     gw = await serve_workers(serve_process, path=path)
     assert {u for _, u in await chats(gw.url, [f"a{i}" for i in range(10)])} == {"a"}
@@ -130,7 +130,10 @@ async def test_sighup_reloads_every_worker(tmp_path, make_standin, serve_process
     for i in range(2):
         assert await gw.wait_output(f"worker {i}: config reloaded", 30), "".join(gw.output)
     assert {u for _, u in await chats(gw.url, [f"b{i}" for i in range(40)])} == {"b"}
-    by_b = per_worker(await scrape(gw.url), "prefixgate_ttft_seconds_count", upstream="b")
+    assert await gw.wait_output("admin (/metrics, /health) on ")      # every worker's too
+    admin = re.search(r"admin \(/metrics, /health\) on (http://\S+)", "".join(gw.output))
+    by_b = per_worker(await scrape(admin.group(1)), "prefixgate_ttft_seconds_count",
+                      upstream="b")
     assert set(by_b) == {"0", "1"} and sum(by_b.values()) == 40, by_b
     await stop(gw)
 
