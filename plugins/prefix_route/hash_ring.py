@@ -8,6 +8,10 @@ passes the key on to the next one on the ring. No upstream ever holds more than
 `load_factor` times its share, and a key only moves when its home is over the bound, down or
 gone — and moves back when that ends.
 
+`Rendezvous` is the other hashing replicas agree on without talking: a key's upstream among
+any candidate set is the one with the highest hash of (key, upstream name), so when the set
+changes only the keys of the upstreams that left or joined move.
+
 `rank` orders every candidate for a key: those under their bound in ring order (the first is
 the choice), then those under it but not eligible (saturated), then those over it, each in
 ring order; the walk from a ring point is kept (`order`), so ranking costs one pass over
@@ -20,6 +24,8 @@ from bisect import bisect_right
 from collections.abc import Iterable
 
 import xxhash
+
+TWO_TO_MINUS_64 = 2.0 ** -64
 
 
 class HashRing:
@@ -91,3 +97,29 @@ class HashRing:
             ranked += [n for n in order if n in saturated and n not in over]
         ranked += [n for n in order if n in over]
         return ranked, order[0]
+
+
+class Rendezvous:
+    """Highest-random-weight hashing of a key over a candidate set (module doc); weighted
+    (Schindelhauer and Schomaker's logarithmic method), a candidate of weight w is picked for
+    a share w / (sum of weights) of the keys, and a small change of one weight moves few keys."""
+
+    def __init__(self):
+        self._seeds: dict[str, int] = {}       # upstream name -> its hash seed
+
+    def pick(self, key: bytes, upstreams, weights=None):
+        """The candidate with the highest hash of (`key`, its name), or with `weights` (one
+        per candidate, > 0) the highest w / -ln(hash as a fraction of 2^64); None when there
+        is no candidate."""
+        seeds = self._seeds
+        best, best_h = None, -1.0
+        for i, u in enumerate(upstreams):
+            seed = seeds.get(u.name)
+            if seed is None:
+                seed = seeds[u.name] = xxhash.xxh64_intdigest(u.name.encode())
+            h = xxhash.xxh64_intdigest(key, seed)
+            if weights is not None:
+                h = weights[i] / -math.log((h + 0.5) * TWO_TO_MINUS_64)
+            if h > best_h:
+                best, best_h = u, h
+        return best

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 from prometheus_client import Histogram
 
 from prefixgate.plugins.prefix_keys import prompt_token_ids
+from prefixgate.plugins.prefix_route.hash_ring import Rendezvous
 from prefixgate.plugins.prefix_route.indexes import EngineIndex
-from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys
+from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys, ring_position
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
 from prefixgate.plugins.prefix_route.scorer import (
     BELOW_TOP,
@@ -72,6 +73,7 @@ BYTES_PER_TOKEN = 4                 # a text-keyed prompt's size, without its to
 # turn repeats the conversation, so its history is most of the prompt, while an upstream that
 # holds only a head many prompts share (the template's, a common preamble) is not its home
 LIVES_SHARE = 0.5
+MASK64 = (1 << 64) - 1
 ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
@@ -102,6 +104,7 @@ class PredictedTTFT(PrefixScorer):
             DEFAULT_PRIOR.overhead_s if overhead is None else overhead / 1e3)
         self.model = TTFTModel(prior, cfg["fit_half_life_s"])
         self.queue = PrefillQueue()
+        self.rendezvous = Rendezvous()
         self._slots: dict[str | None, dict[str, tuple]] = {}   # model -> name -> (fit, lane)
         self.tie_s = cfg["tie_ms"] / 1e3
         self.tie_fraction = cfg["tie_fraction"]
@@ -126,9 +129,12 @@ class PredictedTTFT(PrefixScorer):
         matched = keys.matched = self.index.match(ctx, keys, upstreams) if keys.chain else {}
         per_block = self.block_tokens if keys.mode == "tokens" else self.text_block_tokens
         ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
+        key = self.keys.route_key(keys)
+        place_key = None if key is None else (
+            ring_position(key, ctx.model) & MASK64).to_bytes(8, "little")
         return self._route(ctx, upstreams, matched, per_block,
                            self._prompt_tokens(ctx, keys, per_block), session,
-                           placing=placing)
+                           placing=placing, place_key=place_key)
 
     def no_key(self, ctx, upstreams, session=None) -> dict:
         ctx.route_info.update(policy=self.policy, blocks=0)
@@ -159,7 +165,8 @@ class PredictedTTFT(PrefixScorer):
         return self.choose(ctx, keys, upstreams, home)
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
-               session=None, avoid_full: bool = True, placing: bytes = b"") -> dict:
+               session=None, avoid_full: bool = True, placing: bytes = b"",
+               place_key: bytes | None = None) -> dict:
         self._settle()
         now = self.clock()
         model = ctx.model
@@ -202,21 +209,24 @@ class PredictedTTFT(PrefixScorer):
                 home, home_m, home_t = row, m, t
         if best is None:                  # every one saturated: the least bad of them
             return self._route(ctx, [row[1] for row in full], matched, per_block, prompt,
-                               session, False, placing)
+                               session, False, placing, place_key)
         allowance = max(self.tie_s, self.tie_fraction * best_t)
+        near = [row for row in rows if row[0] <= best_t + allowance]    # within the tie
         if placing:                       # a new session: hashed among the near-fastest
-            tied = [row for row in rows if row[0] <= best_t + allowance]
-            pick = self.sessions.upstream(placing, [row[1] for row in tied])
-            chosen = home = next(row for row in tied if row[1] is pick)
+            chosen = home = self._place(placing, near, holders_first=False)
             outcome = "session"
             ctx.route_info["session"] = "placed"
             self.session_routes.labels("placed").inc()
-        elif home is None:
-            chosen, outcome = best, "new" if ctx.route_info["blocks"] else "nokey"
-        elif home_t <= best_t + allowance:
+        elif session is not None and home_t <= best_t + allowance:
             chosen, outcome = home, "home"
         else:
-            chosen, outcome = best, "spill"
+            chosen = best if place_key is None else self._place(place_key, near)
+            if not home_m:
+                outcome = "new" if ctx.route_info["blocks"] else "nokey"
+            elif chosen[4] == home_m:
+                home, outcome = chosen, "home"
+            else:
+                outcome = "spill"
         if session is not None:
             if chosen[1] is session:
                 ctx.route_info["session"] = "kept"
@@ -228,30 +238,43 @@ class PredictedTTFT(PrefixScorer):
         ctx.route_info.update(best_match=home_m, predicted_ttft_ms=_header_times(
             chosen, second if chosen[1] is best[1] else best))
         self.decided(ctx, outcome)
-        scores = self._scores(rows, full, chosen, home, best_t, allowance, ties > 1)
+        scores = self._scores(rows, full, chosen, best_t, allowance,
+                              kept=bool(placing) or place_key is not None or session is not None)
         if outcome == "session":
             scores[chosen[1]] += SESSION_BONUS
         return scores
 
+    def _place(self, key: bytes, near: list, holders_first: bool = True,
+               new: float | None = None) -> tuple:
+        """The row among `near` (those within the tie) that every replica picks for `key`:
+        of those holding the most leading blocks of the prompt, the one weighted rendezvous
+        hashing ranks first, each weighted by its predicted speed (1 / predicted seconds):
+        replicas whose predictions differ a little still agree on most keys. Where none holds
+        a block (a prefix new to the fleet, as far as this gateway knows) and `new` is given,
+        only those within `new` seconds of the fastest are hashed among: idle twins split new
+        prefixes alike on every replica, while under load the fastest takes it, as a slower
+        upstream would only keep it waiting."""
+        if len(near) == 1:
+            return near[0]
+        most = max(row[4] for row in near) if holders_first else 0
+        if most:
+            near = [row for row in near if row[4] == most]
+        elif new is not None:
+            fastest = min(row[0] for row in near)
+            near = [row for row in near if row[0] <= fastest + new]
+        pick = self.rendezvous.pick(key, [row[1] for row in near],
+                                    [1.0 / max(row[0], 1e-9) for row in near])
+        return next(row for row in near if row[1] is pick)
+
     @staticmethod
-    def _scores(rows: list, full: list | None, chosen: tuple, home: tuple | None,
-                best_t: float, allowance: float, twins: bool) -> dict:
-        """Every candidate's score (module doc): the chosen one 1, the others their effective
-        prediction's ratio to the chosen one's, below 1 (halved when saturated); `twins`:
-        several upstreams share the least prediction."""
-        ref = best_t                       # the chosen one's effective prediction
-        home_eff = None
-        if home is not None:
-            home_eff = home[0] * best_t / (best_t + allowance)
-            if chosen is home:
-                ref = home_eff
-        scores = {row[1]: ref / row[0] for row in rows}
-        if ref >= best_t and (twins or chosen is home):    # as fast as the chosen: just below
-            for row in rows:
-                if row[0] <= ref:
-                    scores[row[1]] = BELOW_TOP
-        if home_eff is not None and chosen is not home:
-            scores[home[1]] = min(ref / home_eff, BELOW_TOP)
+    def _scores(rows: list, full: list | None, chosen: tuple, best_t: float,
+                allowance: float, kept: bool) -> dict:
+        """Every candidate's score (module doc): the chosen one 1, the others their
+        prediction's ratio to the chosen one's effective prediction, below 1 (halved when
+        saturated); `kept`: chosen within the tie (placed, or its home), not as the fastest."""
+        t = chosen[0]
+        ref = t * best_t / (best_t + allowance) if kept else best_t
+        scores = {row[1]: min(ref / row[0], BELOW_TOP) for row in rows}
         if full is not None:
             for row in full:
                 scores[row[1]] = min(ref / row[0], BELOW_TOP) * SATURATED
@@ -342,6 +365,7 @@ class PredictedTTFT(PrefixScorer):
 
     def _learn(self, ctx, r: Routed, measured: float) -> None:
         own = r.own
+        fit = self.model.fit(r.name, ctx.model, self.clock())
         if ctx.prefill_upstream is None:
             answer = ctx.usage
             if answer is None and ctx.tail:
@@ -350,8 +374,7 @@ class PredictedTTFT(PrefixScorer):
             if prompt is not None:
                 own = max(prompt - (cached if cached is not None else r.cached), 1)
         self.errors.labels(r.name).observe(abs(r.predicted_s - measured) / measured)
-        self.model.fit(r.name, ctx.model, self.clock()).observe(r.ahead + own, measured,
-                                                                self.clock())
+        fit.observe(r.ahead + own, measured, self.clock(), r.ahead)
 
 
 def _header_times(chosen, runner_up) -> str:

@@ -48,6 +48,7 @@ import xxhash
 from prefixgate.common.cache_control import Breakpoint, prefix_of
 from prefixgate.common.schema import Key, one_of
 from prefixgate.plugins.prefix_keys import prompt_body
+from prefixgate.plugins.prefix_route.hash_ring import Rendezvous
 
 DEFAULT_HEADERS = ("x-session-id", "x-dynamo-session-id", "x-litellm-session-id",
                    "x-claude-code-session-id", "session-id", "session_id")
@@ -83,7 +84,7 @@ class Sessions:
         self.user_field = cfg["user_field"]
         self.cache_control = cfg["cache_control"]
         self.hard = cfg["mode"] == "hard"
-        self._seeds: dict[str, int] = {}      # upstream name -> its hash seed
+        self._rendezvous = Rendezvous()
 
     def session_key(self, ctx) -> tuple[str, bytes] | None:
         """(where it was found, the key) of the request's session (None: it names none),
@@ -120,16 +121,7 @@ class Sessions:
 
     def upstream(self, session: bytes, upstreams):
         """The session's upstream among `upstreams`: the highest rendezvous hash."""
-        seeds = self._seeds
-        best, best_h = None, -1
-        for u in upstreams:
-            seed = seeds.get(u.name)
-            if seed is None:
-                seed = seeds[u.name] = xxhash.xxh64_intdigest(u.name.encode())
-            h = xxhash.xxh64_intdigest(session, seed)
-            if h > best_h:
-                best, best_h = u, h
-        return best
+        return self._rendezvous.pick(session, upstreams)
 
 
 def session_part(user_id: str) -> str:

@@ -20,6 +20,16 @@ request (`policy: predicted_ttft`, predicted_ttft.py, feeds it):
 
 Rates are kept within [MIN_RATE, MAX_RATE] and overheads non-negative, so one odd answer never
 makes an upstream look free or dead.
+
+Fitted only from answers that were mostly their own prompt: the tokens queued ahead of one are
+this gateway's view (its lane, and its index's guess of what they hold), which beside other
+gateway replicas goes wrong both ways — their requests queue unseen, and a prompt another
+replica cached looks uncached here. Fitted to those times, the fleet simulator's three
+replicas drove rates to the 1e8 bound and overheads to 8-17 s, and every replica herded onto
+whichever upstream its line called fast. So an answer counts when no more tokens were ahead
+of it than its own (CLEAN_AHEAD), and when it took at most QUEUED_BEYOND times the prediction
+(beyond, it waited in a backlog, which is not speed; the young fit takes those, to get away
+from a prior that may be several times off).
 """
 from __future__ import annotations
 
@@ -35,6 +45,8 @@ SCALE_ALPHA = 0.05         # the mean absolute residual's smoothing per observat
 ANCHOR_WEIGHT = 2.0        # observations' worth of the previous line
 MIN_RATE, MAX_RATE = 1.0, 1e8          # tokens per second
 ANCHOR_TOKENS = 1000.0     # where the anchor's second point sits before any data
+CLEAN_AHEAD = 1.0          # fitted: answers with at most this many own tokens' worth ahead
+QUEUED_BEYOND = 2.0        # ... that took at most this many predictions
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +80,13 @@ class PrefillFit:
         """Seconds to the first token for `tokens` to compute."""
         return self.overhead_s + self.per_token_s * tokens
 
-    def observe(self, tokens: float, seconds: float, now: float) -> None:
-        """One answered request: `tokens` computed (or waited for) in `seconds`."""
+    def observe(self, tokens: float, seconds: float, now: float, ahead: float = 0.0) -> None:
+        """One answered request: `tokens` computed or waited for (`ahead` of them queued
+        before it) in `seconds`."""
         self._decay(now)
+        if ahead > CLEAN_AHEAD * (tokens - ahead) or (
+                self.observations >= YOUNG and seconds > QUEUED_BEYOND * self.predict(tokens)):
+            return          # waited behind more than the gateway knows of (module doc)
         expected = self.predict(tokens)
         residual = seconds - expected
         if self.observations < YOUNG:

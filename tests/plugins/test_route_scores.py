@@ -162,7 +162,7 @@ def test_predicted_ttft_moves_a_request_to_the_lane_of_the_upstream_it_went_to()
     assert routed.name == "u0" and list(queue.lane("u0").pending) == [routed.key]   # as chosen
     assert not queue.lane("u1").pending
     gw.decide(request(FAMILIES[6]))            # the next decision settles it
-    assert routed.name == "u1" and list(queue.lane("u1").pending) == [routed.key]
+    assert routed.name == "u1" and routed.key in queue.lane("u1").pending
     assert routed.moved          # predicted for u1 there, it teaches nothing (not its choice)
     assert routed.key not in queue.lane("u0").pending
 
