@@ -249,6 +249,7 @@ async def run_mode(name: str, w: ReplicasWorkload, requests: list[tuple[int, dic
                    timeout: float, model: str, label: str) -> dict:
     """One run of a mode: fresh engines, fresh replicas behind the balancer, every request."""
     mode = MODES[name]
+    load_before = os.getloadavg()[0]
     engines = await target.start_engines(["both"] * w.engines, w.engine_args(),
                                           w.engine_threads, launcher(w), model)
     try:
@@ -276,6 +277,9 @@ async def run_mode(name: str, w: ReplicasWorkload, requests: list[tuple[int, dic
     run["replica_requests"] = [sum(summed(text, "prefixgate_requests_total", "status").values())
                                for text in metrics]
     run["routes"] = summed_all(metrics, "prefixgate_route_decisions_total", "outcome")
+    # the machine's 1-minute load average as the run began and ended (a shared machine's
+    # other work shows here)
+    run["load_avg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return run
 
 
@@ -404,7 +408,8 @@ def mode_cell(name: str, runs: list[dict], slo_s: float, w: ReplicasWorkload) ->
     mode = MODES[name]
     params = {"mode": name, "replicas": mode.replicas, "policy": mode.policy or "default",
               "gateway": runs[0]["gateway"],
-              "replica_requests": [run["replica_requests"] for run in runs]}
+              "replica_requests": [run["replica_requests"] for run in runs],
+              "load_avg": [run["load_avg"] for run in runs]}
     routes: dict[str, float] = {}
     for run in runs:
         for k, v in run["routes"].items():
@@ -549,10 +554,13 @@ def print_replicas(archive: dict) -> None:
           f"{w['engines']} {engine} on the {cfg['model']} model, each with KV for "
           f"{w['kv_share']:g} of the prefixes ({cfg['kv_blocks_per_engine']} blocks); {load}; "
           f"{w['max_tokens']} output tokens; {w['rounds']} run(s) per mode, fresh engines "
-          f"each. TTFT in ms.\n")
+          f"each. TTFT in ms; per replica: the requests each replica's /metrics counted, per "
+          f"run; load: the machine's 1-minute load average as each run began and ended "
+          f"({env['cpu_count']} CPUs).\n")
     vllm = w["client"] == "vllm"
     heads = ["mode", "replicas", "n", "err", "cached %" if not vllm else "engine hit %",
-             "TTFT p50", "p95", "p99", "req/s", "per engine", "agreement", "per replica"]
+             "TTFT p50", "p95", "p99", "req/s", "per engine", "agreement", "per replica",
+             "load"]
     if vllm:
         heads[1:1] = ["dataset"]
     print("| " + " | ".join(heads) + " |")
@@ -570,7 +578,8 @@ def print_replicas(archive: dict) -> None:
             cols += [fmt(s[f"ttft_p{q}_ms"], 0, 0) for q in (50, 95, 99)]
             cols += [fmt(s.get("req_per_s"), 0, 2),
                      " ".join(f"{k}:{v}" for k, v in c.get("upstreams", {}).items()) or "-",
-                     fmt(as_percent(c.get("agreement")), 0, 1), per_replica]
+                     fmt(as_percent(c.get("agreement")), 0, 1), per_replica,
+                     " / ".join(f"{a:g}-{b:g}" for a, b in c.get("load_avg", []))]
             print("| " + " | ".join(col.strip() for col in cols) + " |")
     cmp = archive.get("comparison") or {}
     lines = []

@@ -11,6 +11,7 @@ import pytest
 from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import replicas
 from prefixgate.proxy.bench.prompts import Lengths, load_tokenizer
+from prefixgate.proxy.cli import DEFAULT_POLICY, POLICIES
 from tests.tools.helpers import run_cli
 
 
@@ -38,16 +39,12 @@ async def test_quick_run_measures_every_mode_through_independent_replicas(tmp_pa
         (counted,) = c["replica_requests"]
         assert len(counted) == replicas.MODES[mode].replicas
         assert sum(counted) == sent and min(counted) >= sent // 3 - 1
-        # the config is the command line's, only named and timed by the bench
-        plugins = [next(iter(p)) for p in c["gateway"]["plugins"]]
-        policy = replicas.MODES[mode].policy
-        if policy == "round_robin":
-            assert plugins == ["round_robin", "metrics"]
-        else:
-            assert plugins == ["prefix_route", "metrics"]
-            route = c["gateway"]["plugins"][0]["prefix_route"]
-            assert route == {"policy": policy or "predicted_ttft"}
-        assert "models" not in c["gateway"]              # no tokenizer: the default has none
+        # the config is the command line's (`--policy P`, else its default), the upstreams
+        # only named and the timeouts set by the bench; no tokenizer, as the default has none
+        policy = replicas.MODES[mode].policy or DEFAULT_POLICY
+        assert c["gateway"]["plugins"] == [POLICIES[policy], {"metrics": {}}]
+        assert [u["name"] for u in c["gateway"]["upstreams"]] == ["engine0", "engine1"]
+        assert "models" not in c["gateway"]
     assert cells["round-robin-3"]["routes"] == {}
     assert cells["default-3"]["routes"] and cells["default-1"]["routes"]
     cmp = archive["comparison"]
