@@ -185,6 +185,8 @@ class PredictedTTFT(PrefixScorer):
             ahead = lane.ahead(now, per_token, None if polled is None else polled.waiting(u)
                                ) if lane.tokens or polled is not None else 0.0
             t = fit.overhead_s + per_token * (ahead + prompt - cached)
+            if fit.hidden_s:
+                t += fit.queued(now)
             row = (t, u, ahead, cached, m)
             if avoid_full and polled is not None and self.saturated(u):
                 full = [row] if full is None else full + [row]

@@ -47,6 +47,7 @@ MIN_RATE, MAX_RATE = 1.0, 1e8          # tokens per second
 ANCHOR_TOKENS = 1000.0     # where the anchor's second point sits before any data
 CLEAN_AHEAD = 1.0          # fitted: answers with at most this many own tokens' worth ahead
 QUEUED_BEYOND = 2.0        # ... that took at most this many predictions
+HIDDEN_ALPHA = 0.5         # the backlog from elsewhere: the latest answer's weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ DEFAULT_PRIOR = Prior(10_000.0, 0.02)
 class PrefillFit:
     """TTFT = overhead_s + per_token_s × tokens, fitted online (module doc)."""
     __slots__ = ("overhead_s", "per_token_s", "half_life_s", "observations", "_w", "_x", "_y",
-                 "_xx", "_xy", "_t", "_scale")
+                 "_xx", "_xy", "_t", "_scale", "hidden_s", "hidden_t")
 
     def __init__(self, prior: Prior, half_life_s: float, now: float):
         self.overhead_s = prior.overhead_s
@@ -71,10 +72,16 @@ class PrefillFit:
         self._w = self._x = self._y = self._xx = self._xy = 0.0    # decayed weighted sums
         self._t = now
         self._scale: float | None = None       # mean absolute residual, seconds
+        self.hidden_s, self.hidden_t = 0.0, now   # backlog from elsewhere, as of hidden_t
 
     @property
     def tokens_per_s(self) -> float:
         return 1.0 / self.per_token_s
+
+    def queued(self, now: float) -> float:
+        """Seconds of backlog from elsewhere still ahead at `now` (module doc)."""
+        left = self.hidden_s - (now - self.hidden_t)
+        return left if left > 0 else 0.0
 
     def predict(self, tokens: float) -> float:
         """Seconds to the first token for `tokens` to compute."""
@@ -84,10 +91,13 @@ class PrefillFit:
         """One answered request: `tokens` computed or waited for (`ahead` of them queued
         before it) in `seconds`."""
         self._decay(now)
-        if ahead > CLEAN_AHEAD * (tokens - ahead) or (
-                self.observations >= YOUNG and seconds > QUEUED_BEYOND * self.predict(tokens)):
-            return          # waited behind more than the gateway knows of (module doc)
         expected = self.predict(tokens)
+        excess = seconds - expected - self.queued(now - seconds)
+        self.hidden_s = HIDDEN_ALPHA * max(excess, 0.0) + (1 - HIDDEN_ALPHA) * self.queued(now)
+        self.hidden_t = now
+        if ahead > CLEAN_AHEAD * (tokens - ahead) or (
+                self.observations >= YOUNG and seconds > QUEUED_BEYOND * expected):
+            return          # waited behind more than the gateway knows of (module doc)
         residual = seconds - expected
         if self.observations < YOUNG:
             bound = YOUNG_CLIP * expected
