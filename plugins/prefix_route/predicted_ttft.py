@@ -185,8 +185,6 @@ class PredictedTTFT(PrefixScorer):
             ahead = lane.ahead(now, per_token, None if polled is None else polled.waiting(u)
                                ) if lane.tokens or polled is not None else 0.0
             t = fit.overhead_s + per_token * (ahead + prompt - cached)
-            if fit.hidden_s:
-                t += fit.queued(now)
             row = (t, u, ahead, cached, m)
             if avoid_full and polled is not None and self.saturated(u):
                 full = [row] if full is None else full + [row]
@@ -367,7 +365,6 @@ class PredictedTTFT(PrefixScorer):
 
     def _learn(self, ctx, r: Routed, measured: float) -> None:
         own = r.own
-        fit = self.model.fit(r.name, ctx.model, self.clock())
         if ctx.prefill_upstream is None:
             answer = ctx.usage
             if answer is None and ctx.tail:
@@ -376,7 +373,8 @@ class PredictedTTFT(PrefixScorer):
             if prompt is not None:
                 own = max(prompt - (cached if cached is not None else r.cached), 1)
         self.errors.labels(r.name).observe(abs(r.predicted_s - measured) / measured)
-        fit.observe(r.ahead + own, measured, self.clock(), r.ahead)
+        self.model.fit(r.name, ctx.model, self.clock()).observe(r.ahead + own, measured,
+                                                                self.clock())
 
 
 def _header_times(chosen, runner_up) -> str:

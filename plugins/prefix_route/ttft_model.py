@@ -20,24 +20,6 @@ request (`policy: predicted_ttft`, predicted_ttft.py, feeds it):
 
 Rates are kept within [MIN_RATE, MAX_RATE] and overheads non-negative, so one odd answer never
 makes an upstream look free or dead.
-
-Fitted only from answers that were mostly their own prompt: the tokens queued ahead of one are
-this gateway's view (its lane, and its index's guess of what they hold), which beside other
-gateway replicas goes wrong both ways — their requests queue unseen, and a prompt another
-replica cached looks uncached here. Fitted to those times, the fleet simulator's three
-replicas drove rates to the 1e8 bound and overheads to 8-17 s, and every replica herded onto
-whichever upstream its line called fast. So an answer counts when no more tokens were ahead
-of it than its own (CLEAN_AHEAD). (Leaving out answers that took over twice the prediction,
-as backlog rather than speed, locked a line that had gone too fast in place: in the simulator
-at 64 upstreams one fitted at the 1e8 bound drew every replica's 16-32k-token prompts, each
-answer too slow to correct it, until p95 reached 290 s.)
-
-The backlog from elsewhere: beside other gateway replicas, which share nothing with this one,
-an upstream queues work this gateway's lanes never saw. Each fit keeps `hidden`, the seconds
-an answer ran past the prediction (`queued`), smoothed over answers (HIDDEN_ALPHA) and
-drained in real time (one second per second) between them; the prediction adds it, so a home
-that other replicas keep busy loses this gateway's requests too (three replicas at 50% load in
-the simulator: p95 473 ms where the home was kept at an 18 s p95).
 """
 from __future__ import annotations
 
@@ -53,8 +35,6 @@ SCALE_ALPHA = 0.05         # the mean absolute residual's smoothing per observat
 ANCHOR_WEIGHT = 2.0        # observations' worth of the previous line
 MIN_RATE, MAX_RATE = 1.0, 1e8          # tokens per second
 ANCHOR_TOKENS = 1000.0     # where the anchor's second point sits before any data
-CLEAN_AHEAD = 1.0          # fitted: answers with at most this many own tokens' worth ahead
-HIDDEN_ALPHA = 0.5         # the backlog from elsewhere: the latest answer's weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +49,7 @@ DEFAULT_PRIOR = Prior(10_000.0, 0.02)
 class PrefillFit:
     """TTFT = overhead_s + per_token_s × tokens, fitted online (module doc)."""
     __slots__ = ("overhead_s", "per_token_s", "half_life_s", "observations", "_w", "_x", "_y",
-                 "_xx", "_xy", "_t", "_scale", "hidden_s", "hidden_t")
+                 "_xx", "_xy", "_t", "_scale")
 
     def __init__(self, prior: Prior, half_life_s: float, now: float):
         self.overhead_s = prior.overhead_s
@@ -79,31 +59,19 @@ class PrefillFit:
         self._w = self._x = self._y = self._xx = self._xy = 0.0    # decayed weighted sums
         self._t = now
         self._scale: float | None = None       # mean absolute residual, seconds
-        self.hidden_s, self.hidden_t = 0.0, now   # backlog from elsewhere, as of hidden_t
 
     @property
     def tokens_per_s(self) -> float:
         return 1.0 / self.per_token_s
 
-    def queued(self, now: float) -> float:
-        """Seconds of backlog from elsewhere still ahead at `now` (module doc)."""
-        left = self.hidden_s - (now - self.hidden_t)
-        return left if left > 0 else 0.0
-
     def predict(self, tokens: float) -> float:
         """Seconds to the first token for `tokens` to compute."""
         return self.overhead_s + self.per_token_s * tokens
 
-    def observe(self, tokens: float, seconds: float, now: float, ahead: float = 0.0) -> None:
-        """One answered request: `tokens` computed or waited for (`ahead` of them queued
-        before it) in `seconds`."""
+    def observe(self, tokens: float, seconds: float, now: float) -> None:
+        """One answered request: `tokens` computed (or waited for) in `seconds`."""
         self._decay(now)
         expected = self.predict(tokens)
-        excess = seconds - expected - self.queued(now - seconds)
-        self.hidden_s = HIDDEN_ALPHA * max(excess, 0.0) + (1 - HIDDEN_ALPHA) * self.queued(now)
-        self.hidden_t = now
-        if ahead > CLEAN_AHEAD * (tokens - ahead):
-            return          # mostly the work ahead of it, as this gateway saw it (module doc)
         residual = seconds - expected
         if self.observations < YOUNG:
             bound = YOUNG_CLIP * expected
@@ -202,15 +170,9 @@ class TTFTModel:
                                      "to first token learned per upstream and model (network, "
                                      "tokenizing, the first decode step)",
                                      labels=["upstream", "model"])
-        backlog = GaugeMetricFamily("prefixgate_route_hidden_backlog_seconds", "Backlog from "
-                                    "elsewhere (other gateway replicas, direct clients) an "
-                                    "upstream's last answer showed, seconds", labels=["upstream",
-                                                                                      "model"])
         for model, fits in self.fits.items():
             for name, fit in fits.items():
                 rate.add_metric([name, model or ""], fit.tokens_per_s)
                 overhead.add_metric([name, model or ""], fit.overhead_s)
-                backlog.add_metric([name, model or ""], fit.hidden_s)
         yield rate
         yield overhead
-        yield backlog

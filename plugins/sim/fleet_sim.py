@@ -78,6 +78,18 @@ class CostModel:
     max_running: int = 256
 
 
+def _forget(gw: Gateway, shadow: RequestContext, now: float) -> None:
+    """Undo what a shadow decision (a replica asked where it would send a request it never
+    gets) left in predicted_ttft: its prefill work on the chosen upstream's lane. Left there,
+    it stood for work no backend has, and the replicas routed around it."""
+    routed = shadow.state.get(PREDICTED)
+    for plugin in gw.chain.plugins:
+        scorer = getattr(plugin, "predicted", None)
+        if scorer is not None and routed is not None and routed.key:
+            scorer.queue.remove(routed.name, routed.key, now, answered=False)
+            scorer._unsettled = None
+
+
 def plugins_for(policy: str, cost: CostModel, route: dict | None = None) -> list:
     if policy in ("round_robin", "least_inflight"):
         return [policy]
@@ -277,6 +289,7 @@ class FleetSim:
                 shadow.block_tokens = self.bt
                 self.agree += gw.decide(shadow).name == chosen
                 self.compared += 1
+                _forget(gw, shadow, self.now)
 
     def _try_start(self, b: Backend, now: float) -> None:
         if b.prefilling is not None or not b.queue or b.running >= self.cost.max_running:
