@@ -12,25 +12,28 @@ For each candidate upstream u (requests' times in seconds, sizes in prompt token
   own answers, so mixed hardware needs no configuration: a backend half as fast is predicted
   twice as slow and gets about half the uncached work.
 
-The least prediction wins, but the cache home (the upstream that holds the most of the
-prompt) keeps the request while its prediction is within `tie_ms`, or `tie_fraction` of the
-best, whichever is larger: affinity holds until the home is saturated, and no longer. The
+The candidates are the upstreams predicted within `tie_ms`, or `tie_fraction` of the best,
+whichever is larger; of them, those holding the most of the prompt (the cache home, while it
+is within the tie), else all; among those, weighted rendezvous hashing of the prompt's first
+`prefix_blocks` blocks and its model (`_place`) picks one, so that gateway replicas sharing
+nothing place a prefix new to them alike: affinity holds until the home is saturated, and a
+spill goes where every replica spills it. The
 prefill leg of a P/D request is chosen the same way among the prefill upstreams (the chain's
-scorers pick it, proxy/pd.py): the least predicted prefill time.
+scorers pick it, proxy/pd.py), by predicted prefill time.
 
 Score (every candidate, so that a `weight:` mixes it with a load scorer): the chosen upstream
 1, every other the ratio of the chosen one's effective prediction to its own, below 1 — an
 upstream predicted twice as slow as the chosen one scores 0.5. A prediction is effective as
-it is, but for the home's: best × predicted(home) / (best + tie), the tie's additive allowance
-as a factor at this decision, so the home is the top score exactly when it is kept; a
-saturated upstream's score is halved. Among equal least predictions the policy picks one at
-random and scores the others just below it (1 − 1e-9). Where another scorer's weight or a
-session's bonus makes the gateway pick another upstream, the request's prefill work moves to
-that upstream's lane before the next decision (`_settle`).
+it is, but for a choice made within the tie (a home kept, a prefix placed): predicted × best /
+(best + tie), the tie's additive allowance as a factor at this decision, so the choice is the
+top score exactly when it is kept; a saturated upstream's score is halved; no other scores 1.
+Where another scorer's weight or a session's bonus makes the gateway pick another upstream,
+the request's prefill work moves to that upstream's lane before the next decision (`_settle`).
 
-Outcomes: `home` (the home kept it), `spill` (another upstream was faster by more than the
-tie), `new` (no upstream holds a block of it), `nokey` (no key: no upstream holds any of it),
-`session` (soft `session:` mode: the session's upstream is the home, and kept it).
+Outcomes: `home` (an upstream holding the most of the prompt took it), `spill` (the home was
+slower than the tie: one holding less, or none, took it), `new` (no upstream holds a block of
+it), `nokey` (no key: no upstream holds any of it), `session` (soft `session:` mode: the
+session's upstream is the home, and kept it).
 The route header adds `predicted_ttft_ms=` for the chosen upstream and the runner-up.
 
 Learning, when the request ends: the time measured is the upstream's TTFT as the gateway saw
@@ -213,7 +216,8 @@ class PredictedTTFT(PrefixScorer):
         allowance = max(self.tie_s, self.tie_fraction * best_t)
         near = [row for row in rows if row[0] <= best_t + allowance]    # within the tie
         if placing:                       # a new session: hashed among the near-fastest
-            chosen = home = self._place(placing, near, holders_first=False)
+            pick = self.sessions.upstream(placing, [row[1] for row in near])
+            chosen = home = next(row for row in near if row[1] is pick)
             outcome = "session"
             ctx.route_info["session"] = "placed"
             self.session_routes.labels("placed").inc()
@@ -244,24 +248,17 @@ class PredictedTTFT(PrefixScorer):
             scores[chosen[1]] += SESSION_BONUS
         return scores
 
-    def _place(self, key: bytes, near: list, holders_first: bool = True,
-               new: float | None = None) -> tuple:
+    def _place(self, key: bytes, near: list) -> tuple:
         """The row among `near` (those within the tie) that every replica picks for `key`:
-        of those holding the most leading blocks of the prompt, the one weighted rendezvous
-        hashing ranks first, each weighted by its predicted speed (1 / predicted seconds):
-        replicas whose predictions differ a little still agree on most keys. Where none holds
-        a block (a prefix new to the fleet, as far as this gateway knows) and `new` is given,
-        only those within `new` seconds of the fastest are hashed among: idle twins split new
-        prefixes alike on every replica, while under load the fastest takes it, as a slower
-        upstream would only keep it waiting."""
+        of those holding the most leading blocks of the prompt (all, where none holds one),
+        the one weighted rendezvous hashing ranks first, each weighted by its predicted speed
+        (1 / predicted seconds): replicas whose predictions differ a little still agree on
+        most keys, and an upstream predicted twice as fast takes twice the new prefixes."""
         if len(near) == 1:
             return near[0]
-        most = max(row[4] for row in near) if holders_first else 0
+        most = max(row[4] for row in near)
         if most:
             near = [row for row in near if row[4] == most]
-        elif new is not None:
-            fastest = min(row[0] for row in near)
-            near = [row for row in near if row[0] <= fastest + new]
         pick = self.rendezvous.pick(key, [row[1] for row in near],
                                     [1.0 / max(row[0], 1e-9) for row in near])
         return next(row for row in near if row[1] is pick)
