@@ -88,8 +88,10 @@ async def chat(client, gw, messages, stream: bool) -> tuple[str, dict]:
 
 async def next_turn_cached(engine, model_dir, make_gateway, warm: bool, stream: bool,
                            tag: str, log=None) -> tuple[int, int, dict]:
-    """(history tokens, the next turn's cached tokens, the gateway's metrics) of a two-turn
-    conversation of its own (`tag`), with next-turn warming on or off."""
+    """(history tokens, the next turn's cached tokens, the gateway's metrics once the first
+    turn's warm request was counted) of a two-turn conversation of its own (`tag`), with
+    next-turn warming on or off. (Metrics read after the second turn may already count that
+    turn's own warm request: it runs as soon as the answer ends.)"""
     gw = await make_gateway(warm_config(engine, model_dir, warm, log))
     messages = [{"role": "system", "content": f"{tag}: {SYSTEM}"},
                 {"role": "user", "content": f"{tag}: tell me something"}]
@@ -104,7 +106,6 @@ async def next_turn_cached(engine, model_dir, make_gateway, warm: bool, stream: 
             await asyncio.sleep(0.02)
         _, usage = await chat(client, gw, history + [{"role": "user", "content": "and?"}],
                               stream)
-        m = await metrics(client, gw)
     tok = Tokenizer.from_dir(model_dir)
     rendered = tok.encode(tok.apply_chat_template(history, add_generation_prompt=False))
     return len(rendered), usage["prompt_tokens_details"]["cached_tokens"], m
