@@ -132,12 +132,9 @@ class PredictedTTFT(PrefixScorer):
         matched = keys.matched = self.index.match(ctx, keys, upstreams) if keys.chain else {}
         per_block = self.block_tokens if keys.mode == "tokens" else self.text_block_tokens
         ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
-        key = self.keys.route_key(keys)
-        place_key = None if key is None else (
-            ring_position(key, ctx.model) & MASK64).to_bytes(8, "little")
         return self._route(ctx, upstreams, matched, per_block,
                            self._prompt_tokens(ctx, keys, per_block), session,
-                           placing=placing, place_key=place_key)
+                           placing=placing, place_key=self.keys.route_key(keys))
 
     def no_key(self, ctx, upstreams, session=None) -> dict:
         ctx.route_info.update(policy=self.policy, blocks=0)
@@ -169,30 +166,39 @@ class PredictedTTFT(PrefixScorer):
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
                session=None, avoid_full: bool = True, placing: bytes = b"",
-               place_key: bytes | None = None) -> dict:
+               place_key: int | None = None) -> dict:
+        """The decision (module doc); `place_key`: the prompt's route key (keys.py), which
+        `_place` hashes where the choice is made within the tie."""
         self._settle()
         now = self.clock()
         model = ctx.model
         slots = self._slots.get(model) or self._slots.setdefault(model, {})
+        slot_of = slots.get
+        held = matched.get if matched else None
         best = second = home = None   # rows: (predicted s, upstream, ahead, cached, matched)
         best_t = second_t = home_t = math.inf
-        home_m = ties = 0
+        home_m = home_n = ties = 0    # home_n: candidates holding home_m blocks (no session)
         rows, full = [], None         # every candidate's row; the saturated ones'
+        add = rows.append
         for u in upstreams:
             polled = u.polled
             name = u.name
-            fit, lane = slots.get(name) or self._slot(slots, name, model, now)
+            fit, lane = slot_of(name) or self._slot(slots, name, model, now)
             per_token = fit.per_token_s
-            m = matched.get(name, 0) if matched else 0
-            cached = min(m * per_block, prompt - 1) if m else 0
-            ahead = lane.ahead(now, per_token, None if polled is None else polled.waiting(u)
-                               ) if lane.tokens or polled is not None else 0.0
+            if held is not None and (m := held(name, 0)):
+                cached = min(m * per_block, prompt - 1)
+            else:
+                m = cached = 0
+            if polled is not None:
+                ahead = lane.ahead(now, per_token, polled.waiting(u))
+            else:
+                ahead = lane.ahead(now, per_token) if lane.tokens else 0.0
             t = fit.overhead_s + per_token * (ahead + prompt - cached)
             row = (t, u, ahead, cached, m)
-            if avoid_full and polled is not None and self.saturated(u):
+            if polled is not None and avoid_full and self.saturated(u):
                 full = [row] if full is None else full + [row]
                 continue
-            rows.append(row)
+            add(row)
             if t < best_t:
                 second, second_t, best, best_t = best, best_t, row, t
                 ties = 1
@@ -208,23 +214,39 @@ class PredictedTTFT(PrefixScorer):
             if session is not None:
                 if u is session:
                     home, home_m, home_t = row, m, t
-            elif m and (m > home_m or (m == home_m and t < home_t)):
-                home, home_m, home_t = row, m, t
+            elif m:
+                if m > home_m:
+                    home, home_m, home_t, home_n = row, m, t, 1
+                elif m == home_m:
+                    home_n += 1
+                    if t < home_t:
+                        home, home_t = row, t
         if best is None:                  # every one saturated: the least bad of them
             return self._route(ctx, [row[1] for row in full], matched, per_block, prompt,
                                session, False, placing, place_key)
         allowance = max(self.tie_s, self.tie_fraction * best_t)
-        near = [row for row in rows if row[0] <= best_t + allowance]    # within the tie
+        limit = best_t + allowance        # within the tie: predicted at most this
         if placing:                       # a new session: hashed among the near-fastest
+            near = [row for row in rows if row[0] <= limit]
             pick = self.sessions.upstream(placing, [row[1] for row in near])
             chosen = home = next(row for row in near if row[1] is pick)
             outcome = "session"
             ctx.route_info["session"] = "placed"
             self.session_routes.labels("placed").inc()
-        elif session is not None and home_t <= best_t + allowance:
+        elif session is not None and home_t <= limit:
             chosen, outcome = home, "home"
         else:
-            chosen = best if place_key is None else self._place(place_key, near)
+            if place_key is None:
+                chosen = best
+            elif session is None and home_t <= limit:
+                # the home is within the tie, so the most any candidate holds is home_m:
+                # alone with it, it is the choice; else those holding as much are hashed
+                chosen = home if home_n == 1 else self._place(
+                    place_key, model, [row for row in rows
+                                       if row[4] == home_m and row[0] <= limit])
+            else:
+                chosen = self._place(place_key, model, _most(
+                    [row for row in rows if row[0] <= limit]))
             if not home_m:
                 outcome = "new" if ctx.route_info["blocks"] else "nokey"
             elif chosen[4] == home_m:
@@ -248,20 +270,22 @@ class PredictedTTFT(PrefixScorer):
             scores[chosen[1]] += SESSION_BONUS
         return scores
 
-    def _place(self, key: bytes, near: list) -> tuple:
-        """The row among `near` (those within the tie) that every replica picks for `key`:
-        of those holding the most leading blocks of the prompt (all, where none holds one),
-        the one weighted rendezvous hashing ranks first, each weighted by its predicted speed
-        (1 / predicted seconds): replicas whose predictions differ a little still agree on
-        most keys, and an upstream predicted twice as fast takes twice the new prefixes."""
-        if len(near) == 1:
-            return near[0]
-        most = max(row[4] for row in near)
-        if most:
-            near = [row for row in near if row[4] == most]
-        pick = self.rendezvous.pick(key, [row[1] for row in near],
-                                    [1.0 / max(row[0], 1e-9) for row in near])
-        return next(row for row in near if row[1] is pick)
+    def _place(self, key: int, model: str | None, rows: list) -> tuple:
+        """The row among `rows` (those within the tie that hold the most leading blocks of
+        the prompt: all, where none holds one) that every replica picks for route key `key`:
+        the one weighted rendezvous hashing of the key and the model ranks first, each
+        weighted by its predicted speed (1 / predicted seconds): replicas whose predictions
+        differ a little still agree on most keys, and an upstream predicted twice as fast
+        takes twice the new prefixes."""
+        if len(rows) == 1:
+            return rows[0]
+        times = [row[0] for row in rows]
+        t = times[0]
+        weights = ([1.0 / max(t, 1e-9)] * len(times) if times.count(t) == len(times)
+                   else [1.0 / max(t, 1e-9) for t in times])
+        pick = self.rendezvous.pick((ring_position(key, model) & MASK64).to_bytes(8, "little"),
+                                    [row[1] for row in rows], weights)
+        return next(row for row in rows if row[1] is pick)
 
     @staticmethod
     def _scores(rows: list, full: list | None, chosen: tuple, best_t: float,
@@ -271,7 +295,8 @@ class PredictedTTFT(PrefixScorer):
         saturated); `kept`: chosen within the tie (placed, or its home), not as the fastest."""
         t = chosen[0]
         ref = t * best_t / (best_t + allowance) if kept else best_t
-        scores = {row[1]: min(ref / row[0], BELOW_TOP) for row in rows}
+        # min(ref / t, BELOW_TOP), without a call per candidate
+        scores = {row[1]: BELOW_TOP if BELOW_TOP < (r := ref / row[0]) else r for row in rows}
         if full is not None:
             for row in full:
                 scores[row[1]] = min(ref / row[0], BELOW_TOP) * SATURATED
@@ -379,6 +404,16 @@ def _header_times(chosen, runner_up) -> str:
     if runner_up is not None:
         text += f",{runner_up[1].name}:{runner_up[0] * 1e3:.1f}"
     return text
+
+
+def _most(rows: list) -> list:
+    """Those of `rows` holding the most leading blocks of the prompt (all, where none holds
+    one)."""
+    if len(rows) > 1:
+        most = max(row[4] for row in rows)
+        if most:
+            return [row for row in rows if row[4] == most]
+    return rows
 
 
 def sole_longest(matched: dict[str, int], upstreams, least: float = 1):
