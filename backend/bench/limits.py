@@ -14,8 +14,8 @@ Measured, with torch at `--threads` threads (1 by default) on the cores this pro
               least 1 GiB) summed, multiplied by a vector (a GEMV: decode's access pattern) and
               copied half onto half (read + write counted); the median of repeats, the best
               kernel's.
-Then, for `--model` (loaded as the engine loads it; FLOPs from bench/flops.py's PrefillFlops,
-attention included), the floors, in each dtype:
+Then, for `--model` (its shape read as the engine's loader reads it, weights not loaded; FLOPs
+from bench/flops.py's PrefillFlops, attention included), the floors, in each dtype:
   prefill of N tokens   FLOPs(N) / GEMM peak
   decode step, batch B  the larger of bytes / bandwidth, bytes = every weight read once (the
                         tied lm_head included) + each sequence's K and V at context C
@@ -27,6 +27,7 @@ and report against them (`Floors.prefill_fraction`, `Floors.decode_fraction`).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -236,8 +237,19 @@ class ModelCost:
     kv_heads: int
 
     @classmethod
-    def of(cls, model, config) -> ModelCost:
-        return cls(PrefillFlops.of(model, config), config.num_key_value_heads)
+    def of(cls, config) -> ModelCost:
+        """From a model's config: its layers' weights as the loader expects them in a
+        checkpoint (loader.expected_shapes), not a loaded model's parameters(), which do not
+        see linears prepacked for oneDNN (backend/cpu_linear.py)."""
+        from prefixgate.backend.loader import expected_shapes
+
+        layers = sum(math.prod(shape) for name, shape in expected_shapes(config).items()
+                     if name.startswith("model.layers."))
+        flops = PrefillFlops(layer_params=layers,
+                             head_params=config.vocab_size * config.hidden_size,
+                             layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                             head_dim=config.head_dim)
+        return cls(flops, config.num_key_value_heads)
 
     def weight_bytes(self, dtype: str) -> int:
         """Every weight read once: the layers and the (tied) lm_head; the embedding rows a
@@ -308,23 +320,34 @@ class Floors:
         return cls(Limits.from_dict(d["limits"]), ModelCost.from_dict(d["cost"]))
 
 
-def floors(limits: Limits, model, config, *, prefill_tokens=(512, 2400, 8000),
-           batches=(1, 8, 32), context: int = 1024) -> dict:
-    """The floors (module doc) of a loaded model and its config on a machine's `limits`."""
-    return Floors(limits, ModelCost.of(model, config)).table(prefill_tokens, batches, context)
+def floors(limits: Limits, config, *, prefill_tokens=(512, 2400, 8000), batches=(1, 8, 32),
+           context: int = 1024) -> dict:
+    """The floors (module doc) of a model (its LlamaConfig) on a machine's `limits`."""
+    return Floors(limits, ModelCost.of(config)).table(prefill_tokens, batches, context)
+
+
+def model_config(model: str):
+    """`--model`'s LlamaConfig, read as the engine's loader reads it (a GGUF's metadata, a
+    directory's config.json), without loading a weight."""
+    from prefixgate.backend import gguf_weights
+    from prefixgate.backend.config import resolve_model
+    from prefixgate.backend.models import LlamaConfig
+    from prefixgate.common.gguf_file import open_gguf
+
+    path = resolve_model(model)
+    if gguf_weights.is_gguf(path):
+        return gguf_weights.config_from_gguf(open_gguf(path))
+    return LlamaConfig.from_dir(path)
 
 
 # --- the command ---------------------------------------------------------------------------
 
 def run(args) -> dict:
-    from prefixgate.backend.config import resolve_model
-    from prefixgate.backend.loader import load_model
-
+    config = model_config(args.model)
     limits = measure_limits(args.threads, Effort.quick() if args.quick else Effort())
-    model, config = load_model(resolve_model(args.model))
-    result = Floors(limits, ModelCost.of(model, config)).to_dict()
+    result = Floors(limits, ModelCost.of(config)).to_dict()
     result["config"] = dict(vars(args))
-    result["floors"] = floors(limits, model, config, prefill_tokens=args.prefill_tokens,
+    result["floors"] = floors(limits, config, prefill_tokens=args.prefill_tokens,
                               batches=args.batches, context=args.context)
     return result
 

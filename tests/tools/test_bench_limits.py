@@ -78,3 +78,17 @@ def test_measure_limits_puts_torch_threads_back():
     assert torch.get_num_threads() == before and lim.threads == 1
     assert lim.gemm_gflops["float32"] > 0 and lim.seconds > 0
     assert limits.Limits.from_dict(lim.to_dict()) == lim
+
+
+def test_model_cost_counts_the_checkpoints_weights_from_its_config():
+    """The counts come from the config (the loader's table of a checkpoint's tensors), so a
+    model whose linears are prepacked counts the same as the plain one it was loaded as."""
+    from prefixgate.backend.bench.flops import PrefillFlops
+    from prefixgate.backend.config import resolve_model
+    from prefixgate.backend.loader import load_model
+
+    model, config = load_model(resolve_model("demo"), dtype="float32")
+    plain = PrefillFlops.of(model, config)
+    cost = limits.ModelCost.of(limits.model_config("demo"))
+    assert cost.flops == plain and cost.kv_heads == config.num_key_value_heads
+    assert limits.ModelCost.from_dict(cost.to_dict()) == cost
