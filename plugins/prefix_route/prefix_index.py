@@ -9,6 +9,7 @@ evicted, and memory stays bounded at `capacity × upstreams` entries.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice, repeat
 
 
 class PrefixIndex:
@@ -17,6 +18,7 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}                 # block hash -> bit mask of upstreams
         self._lru: dict[str, OrderedDict[int, None]] = {}  # upstream -> its blocks, oldest first
         self._bit: dict[str, int] = {}
+        self._names: list[str | None] = []                 # bit -> upstream (None: free)
         self._free_bits: list[int] = []
 
     def __len__(self) -> int:
@@ -34,26 +36,28 @@ class PrefixIndex:
         alive = holders.get(chain[0], 0)
         if not alive:
             return {}
-        ends: dict[int, int] = {}
-        i = 1
-        for i in range(1, len(chain)):
-            mask = holders.get(chain[i], 0)
-            dropped = alive & ~mask
-            if dropped:
-                ends[dropped] = i
-                alive &= mask
-                if not alive:
-                    break
+        ends: dict[int, int] = {}          # upstreams' bits -> the blocks they hold
+        # (one lookup per block, in C; a block held by exactly the upstreams still alive, the
+        # common case, costs one comparison)
+        for i, mask in enumerate(map(holders.get, islice(chain, 1, None), repeat(0)), 1):
+            if mask != alive:
+                dropped = alive & ~mask
+                if dropped:
+                    ends[dropped] = i
+                    alive &= mask
+                    if not alive:
+                        break
         else:
             i = len(chain)
         if alive:
             ends[alive] = i
         out = {}
-        for name, bit in self._bit.items():
-            for mask, n in ends.items():
-                if mask >> bit & 1:
-                    out[name] = n
-                    break
+        names = self._names
+        for mask, n in ends.items():       # each bit in one mask: visit the set bits only
+            while mask:
+                low = mask & -mask
+                out[names[low.bit_length() - 1]] = n
+                mask ^= low
         return out
 
     def insert(self, name: str, chain: list[int]) -> None:
@@ -80,6 +84,7 @@ class PrefixIndex:
         bit = self._bit.pop(name, None)
         if bit is None:
             return
+        self._names[bit] = None
         flag = 1 << bit
         for h in self._lru.pop(name):
             self._forget(h, flag)
@@ -92,6 +97,10 @@ class PrefixIndex:
     def _add(self, name: str) -> int:
         bit = self._free_bits.pop() if self._free_bits else len(self._bit)
         self._bit[name] = bit
+        if bit == len(self._names):
+            self._names.append(name)
+        else:
+            self._names[bit] = name
         self._lru[name] = OrderedDict()
         return bit
 
