@@ -77,6 +77,7 @@ BYTES_PER_TOKEN = 4                 # a text-keyed prompt's size, without its to
 # holds only a head many prompts share (the template's, a common preamble) is not its home
 LIVES_SHARE = 0.5
 MASK64 = (1 << 64) - 1
+NOTHING_HELD: dict[str, int] = {}   # the match of a prompt no upstream holds any of
 ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
@@ -174,7 +175,8 @@ class PredictedTTFT(PrefixScorer):
         model = ctx.model
         slots = self._slots.get(model) or self._slots.setdefault(model, {})
         slot_of = slots.get
-        held = matched.get if matched else None
+        held = (matched or NOTHING_HELD).get
+        draw = random.random
         best = second = home = None   # rows: (predicted s, upstream, ahead, cached, matched)
         best_t = second_t = home_t = math.inf
         home_m = home_n = ties = 0    # home_n: candidates holding home_m blocks (no session)
@@ -185,10 +187,8 @@ class PredictedTTFT(PrefixScorer):
             name = u.name
             fit, lane = slot_of(name) or self._slot(slots, name, model, now)
             per_token = fit.per_token_s
-            if held is not None and (m := held(name, 0)):
-                cached = min(m * per_block, prompt - 1)
-            else:
-                m = cached = 0
+            m = held(name, 0)
+            cached = min(m * per_block, prompt - 1) if m else 0
             if polled is not None:
                 ahead = lane.ahead(now, per_token, polled.waiting(u))
             else:
@@ -204,7 +204,7 @@ class PredictedTTFT(PrefixScorer):
                 ties = 1
             elif t == best_t:                 # equals (idle twins): one of them at random
                 ties += 1
-                if random.random() * ties < 1:
+                if draw() * ties < 1:
                     second, best = best, row
                 else:
                     second = row
