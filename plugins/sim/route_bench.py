@@ -134,12 +134,14 @@ def main(argv=None) -> int:
     for policy in args.policies.split(","):
         t = bench_pick(policy, args.upstreams, reqs, args.seed, args.models)
         warm = t[len(t) // 10:]                  # the first tenth warms the index
-        results[policy] = {"pick_us_p50": _us(warm, 50), "pick_us_p99": _us(warm, 99)}
+        results[policy] = {"pick_us_p50": _us(warm, 50), "pick_us_p95": _us(warm, 95),
+                           "pick_us_p99": _us(warm, 99)}
     base = results.get("round_robin", {}).get("pick_us_p50")
     for policy, r in results.items():
         ratio = f"  ({r['pick_us_p50'] / base:.1f}x round_robin)" if base else ""
-        print(f"{policy:>22}: pick p50 {r['pick_us_p50']:6.1f} us  p99 {r['pick_us_p99']:6.1f} us"
-              f"{ratio}  at {args.upstreams} upstreams x {args.models} model(s)")
+        print(f"{policy:>22}: pick p50 {r['pick_us_p50']:6.1f} us  p95 {r['pick_us_p95']:6.1f} us"
+              f"  p99 {r['pick_us_p99']:6.1f} us{ratio}  at {args.upstreams} upstreams x "
+              f"{args.models} model(s)")
     keys = bench_keys(reqs[:2000])
     print(f"{'keys':>22}: token chain p50 {keys['token_chain_us_p50']:.1f} us, text chain p50 "
           f"{keys['text_chain_us_p50']:.1f} us "
