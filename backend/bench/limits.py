@@ -1,7 +1,9 @@
 """This machine's limits, and the floors they put under the engine:
 `python -m prefixgate.backend.bench.limits` (run it under `taskset -c CORE` to measure one core).
 
-Measured, with torch at `--threads` threads (1 by default) on the cores this process may use:
+Measured, with torch at `--threads` threads (1 by default) on the cores this process may use,
+timed in this thread's CPU seconds at one thread (a busy machine's other processes taking turns
+on the core do not count against it; `clock()`), in wall seconds at more:
   GEMM peak   per dtype (float32, bfloat16), GFLOP/s of the two calls a CPU engine makes for a
               linear layer: torch.nn.functional.linear, and oneDNN's linear on a weight
               prepacked once (torch.ops.mkldnn._reorder_linear_weight, then _linear_pointwise);
@@ -79,6 +81,7 @@ class Limits:
     gemm: list[dict] = field(default_factory=list)          # per dtype, call and shape
     bandwidth: dict = field(default_factory=dict)           # per kernel, and the buffer
     threads: int = 1
+    clock: str = "thread_cpu"               # what the samples were timed with (`clock()`)
     cores: list[int] = field(default_factory=list)
     torch: str = torch.__version__
     cpu: dict = field(default_factory=dict)                 # cpu_info()
@@ -139,18 +142,28 @@ def _available_bytes() -> int:
 
 # --- measuring -----------------------------------------------------------------------------
 
+def clock() -> tuple[str, object]:
+    """What the probe times with: at one torch thread (which computes on the calling thread)
+    this thread's CPU time, so that the slices a busy machine's scheduler gives to other
+    processes on the core do not count against the core; at more threads, wall time."""
+    if torch.get_num_threads() == 1:
+        return "thread_cpu", time.thread_time
+    return "wall", time.perf_counter
+
+
 def _median_call_s(fn, effort: Effort) -> float:
-    """The median over `effort.repeats` samples of one call's seconds, each sample as many
-    calls as last `effort.sample_s` (after one warm-up call, which also times one)."""
-    t0 = time.perf_counter()
+    """The median over `effort.repeats` samples of one call's seconds (`clock()`), each sample
+    as many calls as last `effort.sample_s` (after one warm-up call, which also times one)."""
+    now = clock()[1]
+    t0 = now()
     fn()
-    calls = max(1, round(effort.sample_s / max(time.perf_counter() - t0, 1e-6)))
+    calls = max(1, round(effort.sample_s / max(now() - t0, 1e-6)))
     samples = []
     for _ in range(effort.repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - t0) / calls)
+        samples.append((now() - t0) / calls)
     return statistics.median(samples)
 
 
@@ -216,13 +229,14 @@ def measure_limits(threads: int = 1, effort: Effort | None = None) -> Limits:
         with torch.inference_mode():
             gemm = [row for dtype in DTYPES for row in measure_gemm(dtype, effort)]
             bandwidth = measure_bandwidth(effort, cpu["l3_bytes"])
-        threads = torch.get_num_threads()
+        threads, timed_with = torch.get_num_threads(), clock()[0]
     finally:
         torch.set_num_threads(before)
     peaks = {dtype: max(r["gflops"] for r in gemm if r["dtype"] == dtype and "gflops" in r)
              for dtype in DTYPES}
     return Limits(gemm_gflops=peaks, bandwidth_gbs=max(bandwidth["gbs"].values()), gemm=gemm,
-                  bandwidth=bandwidth, threads=threads, cores=sorted(os.sched_getaffinity(0)),
+                  bandwidth=bandwidth, threads=threads, clock=timed_with,
+                  cores=sorted(os.sched_getaffinity(0)),
                   cpu=cpu, seconds=time.monotonic() - t0)
 
 
