@@ -1,11 +1,18 @@
 """The two engines of the vLLM comparison (bench/vs_vllm.py) as servers on loopback, each a
-process tree pinned to the same core, and what such a tree holds in memory.
+process tree on the same core from its first instruction, and what such a tree holds and uses.
 
-Ours: `prefixgate backend` under `taskset`, torch on one thread (OMP_NUM_THREADS). vLLM: the
-CPU build's server (proxy/testing/real_vllm.py) with its OpenMP thread bound to the core; its
-API-server process and engine-core child would float over every core otherwise, so once it is
-ready every thread of its tree is pinned too: both engines then do all their work (HTTP,
-tokenizing, scheduling, the model) on that one core.
+Ours: `prefixgate backend` under `taskset -c CORE`, torch on one thread (OMP_NUM_THREADS). vLLM:
+the CPU build's server (proxy/testing/real_vllm.py, which starts it without taskset), started
+from a thread pinned to the core for the while (`launched_on`): a process inherits its parent
+thread's CPU affinity, and every thread and process it starts inherits its own, so the API
+server, the engine core and all their threads are on the core from their start, and vLLM's
+OpenMP thread is bound to it too (VLLM_CPU_OMP_THREADS_BIND). Once ready, every thread of each
+tree is checked to be on that core and nothing else (`check_pinned`); a core that cannot be
+used, or a thread found elsewhere, raises PinningError: nothing is silently left unpinned.
+
+While the engines are measured, `CpuMeter` reads each tree's CPU seconds before and after each
+part: a tree on one core cannot use more CPU seconds than wall seconds, so more (beyond the
+clock tick's rounding) is a pinning failure that `failures` names.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +42,7 @@ class Settings:
     max_model_len: int
     kvcache_gib: int
     log_dir: Path | None = None
+    vllm_compiled: bool = True      # vLLM's default (torch.compile); False: --enforce-eager
 
 
 @dataclass
@@ -52,8 +61,10 @@ def ours(s: Settings):
         "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--log-level", "warning",
         cores=str(s.core), env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         log=s.log_dir / "ours.log" if s.log_dir else None)
+    check_core(s.core)
     try:
         engine.start().wait_ready(READY_TIMEOUT_S)
+        check_pinned(engine.pid, s.core)
         yield Running("ours", engine.url, engine.pid)
     finally:
         engine.stop()
@@ -62,13 +73,19 @@ def ours(s: Settings):
 @contextlib.contextmanager
 def vllm(s: Settings):
     """vLLM's CPU server on the same model file (exported to a Hugging Face directory), its
-    whole process tree pinned to `s.core`."""
+    whole process tree on `s.core` from its start; compiled (vLLM's default) unless
+    `s.vllm_compiled` is False."""
     args = ["--max-model-len", str(s.max_model_len),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-    with vllm_servers(1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
-                      kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
-                      cores=[str(s.core)], timeout=READY_TIMEOUT_S) as (server,):
-        pin_tree(server.pid, s.core)
+    if s.vllm_compiled:     # real_vllm starts it with --enforce-eager; the last flag wins
+        args.append("--no-enforce-eager")
+    with contextlib.ExitStack() as stack:
+        with launched_on(s.core):
+            (server,) = stack.enter_context(vllm_servers(
+                1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
+                kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
+                cores=[str(s.core)], timeout=READY_TIMEOUT_S))
+        check_pinned(server.pid, s.core)
         yield Running("vllm", server.url, server.pid)
 
 
@@ -111,16 +128,145 @@ def tree_pids(root: int) -> list[int]:
     return found
 
 
-def pin_tree(root: int, core: int) -> None:
-    """Every thread of every process under `root` to `core` (affinity is per thread)."""
+class PinningError(RuntimeError):
+    """A process tree could not be pinned to its core, or is not on it alone: the message says
+    which core, and which process or thread, and what it used."""
+
+
+def online_cores() -> set[int]:
+    """This machine's online CPUs (/sys's list, e.g. `0-1,4`)."""
+    cores: set[int] = set()
+    for span in Path("/sys/devices/system/cpu/online").read_text().strip().split(","):
+        first, _, last = span.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def check_core(core: int) -> None:
+    """PinningError unless `core` is one of this machine's online CPUs."""
+    online = online_cores()
+    if core not in online:
+        raise PinningError(f"cannot pin to core {core}: this machine's online cores are "
+                           f"{', '.join(map(str, sorted(online)))}")
+
+
+@contextlib.contextmanager
+def launched_on(core: int):
+    """The calling thread on `core` alone while the block runs, so that whatever it starts
+    (and all that starts in turn) is on that core from its first instruction; the thread's
+    own cores are put back afterwards."""
+    check_core(core)
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {core})
+    except OSError as e:
+        raise PinningError(f"cannot pin to core {core}: {e}") from e
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of `pid` ([] once it has ended)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return "?"
+
+
+def tree_threads(root: int) -> list[dict]:
+    """Per process of the tree: its pid, name, thread count (/proc/PID/status `Threads`) and
+    the cores its threads may run on (their union)."""
+    out = []
     for pid in tree_pids(root):
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(tid), {core})
+        cores: set[int] = set()
+        for tid in _threads(pid):
+            with contextlib.suppress(ProcessLookupError):       # a thread that just ended
+                cores |= os.sched_getaffinity(tid)
+        out.append({"pid": pid, "name": _name(pid), "threads": _status_value(pid, "Threads"),
+                    "cores": sorted(cores)})
+    return out
 
 
-def _status_kib(pid: int, key: str) -> int:
+def check_pinned(root: int, core: int) -> None:
+    """PinningError unless every thread of every process under `root` is on `core` alone."""
+    stray = []
+    for pid in tree_pids(root):
+        for tid in _threads(pid):
+            try:
+                cores = os.sched_getaffinity(tid)
+            except ProcessLookupError:                 # ended since listed: runs nowhere
+                continue
+            if cores != {core}:
+                stray.append(f"{_name(pid)} (pid {pid}) thread {tid} on cores "
+                             f"{','.join(map(str, sorted(cores)))}")
+    if stray:
+        raise PinningError(f"not pinned to core {core}: " + "; ".join(stray[:8])
+                           + (f" and {len(stray) - 8} more" if len(stray) > 8 else ""))
+
+
+CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+SLACK = 1.05                    # CPU seconds per wall second per core a tree may show
+SLACK_S = 0.05                  # and beyond that, plus two clock ticks per process
+
+
+def tree_cpu_seconds(root: int) -> tuple[float, int]:
+    """(CPU seconds the tree under `root` has used, its processes). Per process,
+    /proc/PID/stat's utime + stime (all its threads, the ended ones too, which
+    /proc/PID/task/*/stat no longer lists) + cutime + cstime (its children that ended and were
+    waited for, so that a child's seconds stay counted once it is gone)."""
+    ticks, pids = 0, tree_pids(root)
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        ticks += sum(int(x) for x in fields[11:15])     # utime stime cutime cstime
+    return ticks * CLOCK_TICK_S, len(pids)
+
+
+def over_cores(cpu_s: float, wall_s: float, cores: int, processes: int) -> bool:
+    """Did a tree on `cores` cores use more CPU than they have, beyond the rounding of
+    /proc's clock ticks?"""
+    return cpu_s > wall_s * cores * SLACK + SLACK_S + 2 * processes * CLOCK_TICK_S
+
+
+class CpuMeter:
+    """Each measured part's CPU seconds (the tree under `root`) and wall seconds."""
+
+    def __init__(self, root: int, cores: int = 1):
+        self.root, self.cores = root, cores
+        self.parts: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        cpu0, procs0 = tree_cpu_seconds(self.root)
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            wall = time.monotonic() - t0
+            cpu1, procs1 = tree_cpu_seconds(self.root)
+            self.parts[name] = {"cpu_s": cpu1 - cpu0, "wall_s": wall,
+                                "processes": max(procs0, procs1)}
+
+    def failures(self, engine: str) -> list[str]:
+        """One line per part that used more CPU than its cores allow (empty: none)."""
+        return [f"pinning failure: {engine} used {p['cpu_s']:.2f} CPU-s in {p['wall_s']:.2f} "
+                f"wall-s ({name}, {self.cores} core{'s' * (self.cores > 1)})"
+                for name, p in self.parts.items()
+                if over_cores(p["cpu_s"], p["wall_s"], self.cores, p["processes"])]
+
+
+def _status_value(pid: int, key: str) -> int:
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(key + ":"):
@@ -143,6 +289,6 @@ def tree_memory(root: int) -> dict:
     pids = tree_pids(root)
     mib = 1024
     return {"processes": len(pids),
-            "rss_mib": sum(_status_kib(p, "VmRSS") for p in pids) / mib,
+            "rss_mib": sum(_status_value(p, "VmRSS") for p in pids) / mib,
             "pss_mib": sum(_pss_kib(p) for p in pids) / mib,
-            "peak_rss_mib": sum(_status_kib(p, "VmHWM") for p in pids) / mib}
+            "peak_rss_mib": sum(_status_value(p, "VmHWM") for p in pids) / mib}
