@@ -4,7 +4,10 @@ and the gather / attention helpers the prefill reference shares.
 Sequences of similar length are gathered together into contiguous K/V and go through one call
 to torch's fused attention (SDPA), which streams the scores instead of materialising them;
 very different lengths go in separate calls, so a long context never pads the short ones.
-fp32 accumulation whatever the cache dtype.
+fp32 accumulation whatever the cache dtype. fp32 and bf16 queries attend in their own dtype
+(SDPA's CPU kernel accumulates bf16 in fp32 and, on CPUs with bf16 dot products, runs 2.5x as
+fast as on an fp32 copy: 23 vs 58 ms per layer for 2,400 causal tokens of SmolLM2 on one core);
+fp16 and FP8 caches are attended in fp32.
 """
 from __future__ import annotations
 
@@ -27,40 +30,47 @@ def fp8_scales(cache, scale) -> torch.Tensor | None:
     return kv_scales(scale, cache.shape[2], cache.device) if is_fp8(cache) else None
 
 
-def gather_kv(cache, block_tables, num_tokens: int, scales=None) -> torch.Tensor:
-    """The first num_tokens cached rows of each sequence as float32
+def attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """What SDPA computes in for queries of q's dtype: bf16 and fp32 as they are, else fp32."""
+    return q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def gather_kv(cache, block_tables, num_tokens: int, scales=None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The first num_tokens cached rows of each sequence as `dtype`
     [S, num_tokens, num_kv_heads, head_dim].
 
     block_tables [S, max_blocks]; scales: from fp8_scales (None: no dequantization).
     """
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     n_pages = -(-num_tokens // block_size)
-    pages = block_tables[:, :n_pages].long()
-    rows = cache[pages].view(pages.shape[0], n_pages * block_size, num_kv_heads, head_dim)
-    rows = rows[:, :num_tokens].float()
+    pages = block_tables[:, :n_pages].reshape(-1).long()
+    # index_select copies whole pages: ~6x faster than advanced indexing (cache[pages]) on CPU
+    rows = cache.index_select(0, pages).view(-1, n_pages * block_size, num_kv_heads, head_dim)
+    rows = rows[:, :num_tokens]
     if scales is not None:
-        rows = rows * scales[:, None]
-    return rows
+        return (rows.float() * scales[:, None]).to(dtype)
+    return rows.to(dtype)
 
 
 def sdpa(q, k, v, scale, **kw) -> torch.Tensor:
-    """q [B, H, M, D], k/v [B, Hkv, L, D] -> float32 [B, H, M, D]. Always 4-D: 3-D inputs make
-    CPU SDPA fall back to its unfused (materialising) path."""
+    """q [B, H, M, D], k/v [B, Hkv, L, D] of k's dtype -> [B, H, M, D] of that dtype. Always
+    4-D: 3-D inputs make CPU SDPA fall back to its unfused (materialising) path."""
     if _SDPA_GQA:
         kw["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    return F.scaled_dot_product_attention(q.float(), k, v, scale=scale, **kw)
+    return F.scaled_dot_product_attention(q.to(k.dtype), k, v, scale=scale, **kw)
 
 
 def causal_attention(q, k, v, scale) -> torch.Tensor:
-    """q [M, H, D], k/v [L, Hkv, D] float32 -> [M, H, D] float32, causal aligned to the end:
+    """q [M, H, D], k/v [L, Hkv, D] -> [M, H, D] of k's dtype, causal aligned to the end:
     query i sits at position L - M + i and sees keys at positions <= its own.
 
     Queries with no visible key (M > L, only in malformed batches) come out as zeros, not NaN.
     """
     m, length = q.shape[0], k.shape[0]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape, dtype=k.dtype, device=q.device)
     skip = max(0, m - length)
     rows = m - skip
     if rows == 0:
@@ -69,7 +79,7 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
     if rows == length:          # no cached prefix: plain causal, which lets SDPA skip masked tiles
         kw["is_causal"] = True
     elif rows > 1:              # a single query is the last position and sees every key: no mask
-        kw["attn_mask"] = end_aligned_causal_mask(rows, length, q.device)
+        kw["attn_mask"] = end_aligned_causal_mask(rows, length, q.device, k.dtype)
     o = sdpa(q[None, skip:].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
              scale, **kw)
     out[skip:] = o[0].transpose(0, 1)
@@ -77,15 +87,18 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def end_aligned_causal_mask(rows: int, length: int, device: torch.device) -> torch.Tensor:
-    """Additive float32 mask [rows, length]: row i (position length - rows + i) sees keys <= it.
+def end_aligned_causal_mask(rows: int, length: int, device: torch.device,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive mask [rows, length] of the queries' dtype: row i (position length - rows + i)
+    sees keys <= it.
 
     Cached because every layer of a step asks for the same shapes: building it (and SDPA
     converting a bool mask) cost ~1 ms per layer of a 512-token chunk over a 2k-token prefix.
     """
     pos = torch.arange(length - rows, length, device=device)
     visible = torch.arange(length, device=device)[None, :] <= pos[:, None]
-    return torch.zeros(rows, length, device=device).masked_fill_(~visible, float("-inf"))
+    return torch.zeros(rows, length, device=device, dtype=dtype).masked_fill_(~visible,
+                                                                             float("-inf"))
 
 
 def length_groups(lens: list[int], pad_rows: int = PAD_ROWS) -> list[list[int]]:
@@ -116,8 +129,9 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
         idx = torch.tensor(group, device=q.device)
         tables = (block_tables if every
                   else block_tables.index_select(0, idx.to(block_tables.device)))
-        k = gather_kv(k_cache, tables, longest, ks).transpose(1, 2)     # [G, Hkv, L, D]
-        v = gather_kv(v_cache, tables, longest, vs).transpose(1, 2)
+        dtype = attention_dtype(q)
+        k = gather_kv(k_cache, tables, longest, ks, dtype).transpose(1, 2)     # [G, Hkv, L, D]
+        v = gather_kv(v_cache, tables, longest, vs, dtype).transpose(1, 2)
         kw = {}
         n = [lens[s] for s in group]
         if min(n) != longest:                # ragged group: hide each sequence's padding

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from prefixgate.kernels.decode_attention_ref import (
+    attention_dtype,
     causal_attention,
     decode_attention_ref,
     fp8_scales,
@@ -34,11 +35,12 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                                          block_tables[idx.to(block_tables.device)],
                                          seq_lens[idx.to(seq_lens.device)], scale, k_scale, v_scale)
     ks, vs = fp8_scales(k_cache, k_scale), fp8_scales(v_cache, v_scale)
+    dtype = attention_dtype(q)
     for s, n in enumerate(q_lens):
         if n <= 1:
             continue
         a, seq_len = starts[s], lens[s]
-        k = gather_kv(k_cache, block_tables[s:s + 1], seq_len, ks)[0]
-        v = gather_kv(v_cache, block_tables[s:s + 1], seq_len, vs)[0]
+        k = gather_kv(k_cache, block_tables[s:s + 1], seq_len, ks, dtype)[0]
+        v = gather_kv(v_cache, block_tables[s:s + 1], seq_len, vs, dtype)[0]
         out[a:a + n] = causal_attention(q[a:a + n], k, v, scale).to(q.dtype)
     return out
