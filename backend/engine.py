@@ -27,6 +27,7 @@ from prefixgate.backend.config import (
     resolve_tokenizer,
     served_name,
 )
+from prefixgate.backend.cpu_linear import prepare_for_inference
 from prefixgate.backend.kv_events import KVEventPublisher, KVEventSink
 from prefixgate.backend.model_runner import (
     KV_CACHE_DTYPES,
@@ -82,7 +83,7 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from prefixgate.backend.loader import load_model
+        from prefixgate.backend.loader import load_model, serving_dtype
         from prefixgate.common.tokenizer import IncrementalDecoder, Tokenizer
 
         self.args = args
@@ -92,9 +93,11 @@ class LLMEngine:
         self.model_dir = resolve_model(args.model)     # a directory, or a .gguf file
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.model_config = load_model(self.model_dir, dtype=args.dtype,
+        dtype = serving_dtype(args.dtype, self.device)
+        self.model, self.model_config = load_model(self.model_dir, dtype=dtype,
                                                    device=self.device,
                                                    load_format=args.load_format)
+        self.packed_linears = prepare_for_inference(self.model)
         self.tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer) if args.tokenizer
                                         else self.model_dir)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:

@@ -34,7 +34,7 @@ def model(request, tmp_path_factory):
 
 
 def _serve(model, *flags):
-    return ServerThread(["--model", model.dir, "--block-size", "16", *flags])
+    return ServerThread(["--model", model.dir, "--dtype", "float32", "--block-size", "16", *flags])
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,8 @@ async def test_backend_serves_the_file_over_http(source):
     chat_ids = AutoTokenizer.from_pretrained(source.dir).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     chat = {"model": source.gguf.stem, "messages": messages, "max_tokens": 8}
-    with ServerThread(["--model", str(source.gguf), "--num-kv-blocks", "64"]) as server:
+    with ServerThread(["--model", str(source.gguf), "--dtype", "float32",
+                       "--num-kv-blocks", "64"]) as server:
         async with aiohttp.ClientSession() as session:
             served = await complete_ids(session, server.url, prompt, GREEDY_TOKENS)
             async with session.post(server.url + "/v1/chat/completions", json=chat) as r:

@@ -212,12 +212,13 @@ async def test_other_family_and_fp8_kv_move_as_is(tmp_path_factory, prefill):
                 if flags:
                     assert core(b).runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
                     body = body_for(False, prompt_ids(30))
-                    params = await leg1(s, prefill.url, False, body)      # an fp32 cache
+                    params = await leg1(s, prefill.url, False, body)      # the model's dtype
                     async with s.post(b.url + "/v1/completions",
                                       json={**body, "kv_transfer_params": params}) as r:
                         err = (await r.json())["error"]
                     assert r.status == 502 and err["code"] == "kv_layout_mismatch"
-                    assert "kv_dtype float32 here, float8_e4m3fn there" in err["message"]
+                    theirs = str(core(prefill).runner.kv_caches[0][0].dtype).removeprefix("torch.")
+                    assert f"kv_dtype {theirs} here, float8_e4m3fn there" in err["message"]
                     expire(prefill, params["transfer_id"])
                 await settled(s, a, b, prefill)
 
@@ -348,7 +349,7 @@ def test_kv_transfer_benchmark_runs(model_dir, tmp_path, capsys):
 
     out = tmp_path / "kv.json"
     argv = ["--model", str(model_dir), "--prompt-tokens", "200", "--repeats", "1",
-            "--num-kv-blocks", "64", "--out", str(out)]
+            "--num-kv-blocks", "64", "--kv-cache-dtype", "float32", "--out", str(out)]
     assert bench_kv_transfer.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["median"]["mb_per_s"] > 0 and data["kv_bytes"] == 13 * 2 * 2 * 2048

@@ -28,7 +28,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def generate(model_dir, backend: str, kv_cache_dtype: str = "auto"):
-    engine = LLMEngine(EngineArgs(model=str(model_dir), device=DEVICE,
+    engine = LLMEngine(EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32",
                                   attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
                                   num_kv_blocks=48, max_num_batched_tokens=24,
                                   enforce_eager=True))

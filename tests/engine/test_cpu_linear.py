@@ -1,0 +1,118 @@
+"""The engine's inference form of a model (backend/cpu_linear.py): q/k/v and gate/up fused into
+one product each, linear layers prepacked for oneDNN in bf16; and the dtype the engine picks
+on a CPU (bf16 only where the CPU multiplies it natively)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixgate.backend import cpu_linear
+from prefixgate.backend.config import EngineArgs
+from prefixgate.backend.engine import LLMEngine
+from prefixgate.backend.loader import (
+    cpu_flags,
+    default_cpu_dtype,
+    load_model,
+    serving_dtype,
+)
+from tests.engine.helpers import PagedCache
+from tests.helpers import make_tiny_model
+
+CPU = torch.device("cpu")
+BF16_HERE = cpu_linear.can_pack(torch.bfloat16, CPU)
+needs_bf16_packing = pytest.mark.skipif(not BF16_HERE, reason="oneDNN has no bf16 on this CPU")
+PROMPTS = {0: [5, 17, 99, 3, 250, 41, 8, 77, 13], 1: [200, 7, 7, 31]}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request, tmp_path_factory):
+    # qwen2: biased q/k/v (their biases fuse too); llama: a tied head
+    kw = {"tie_word_embeddings": True} if request.param == "llama" else {}
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, **kw)
+
+
+def logits_of(model, config, dtype) -> list[torch.Tensor]:
+    """Prefill of two prompts in one step, then two decode steps: every step's logits."""
+    cache = PagedCache(config, dtype=dtype)
+    out = [cache.step(model, PROMPTS)]
+    for token in (11, 12):
+        out.append(cache.step(model, {0: [token], 1: [token + 1]}))
+    return [step[s] for step in out for s in sorted(step)]
+
+
+def test_fused_projections_compute_what_the_separate_ones_do(model_dir):
+    plain, config = load_model(model_dir, dtype="float32")
+    fused, _ = load_model(model_dir, dtype="float32")
+    fused.fuse_projections()
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and attn.qkv_proj.out_features == (
+        (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
+    assert not hasattr(mlp, "up_proj") and mlp.gate_up_proj.out_features == (
+        2 * config.intermediate_size)
+    for a, b in zip(logits_of(plain, config, torch.float32),
+                    logits_of(fused, config, torch.float32), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+@needs_bf16_packing
+def test_a_packed_linear_multiplies_as_a_plain_one():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    packed = cpu_linear.PackedLinear(weight, bias)
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        got = packed(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        # both round the fp32 sum to bf16 once: within a unit of bf16's last place
+        torch.testing.assert_close(got.float(), expected, rtol=1 / 128, atol=1 / 64)
+
+
+@needs_bf16_packing
+def test_a_packed_model_gives_the_logits_of_the_plain_one(model_dir):
+    plain, config = load_model(model_dir, dtype="bfloat16")
+    packed, _ = load_model(model_dir, dtype="bfloat16")
+    count = cpu_linear.prepare_for_inference(packed)
+    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [] and count == 4 * config.num_hidden_layers + 1  # layers' four + the head
+    assert packed.packed_head is not None or packed.lm_head is not None
+    for a, b in zip(logits_of(plain, config, torch.bfloat16),
+                    logits_of(packed, config, torch.bfloat16), strict=True):
+        # bf16 activations, each product rounded in another order: compare the choice
+        # (argmax) and the values at bf16's resolution of the logits' scale
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, atol=0.05 * a.abs().max().item(), rtol=0)
+
+
+def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
+    model, _ = load_model(model_dir, dtype="float32")
+    assert cpu_linear.prepare_for_inference(model) == 0
+    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert not cpu_linear.can_pack(torch.float16, CPU)
+    assert not cpu_linear.can_pack(torch.bfloat16, torch.device("cuda"))
+
+
+def test_bf16_is_the_default_only_where_the_cpu_multiplies_it(tmp_path):
+    assert default_cpu_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
+    assert default_cpu_dtype(frozenset({"amx_tile", "amx_bf16"})) == torch.bfloat16
+    assert default_cpu_dtype(frozenset({"avx2", "fma", "avx512f"})) == torch.float32
+    assert default_cpu_dtype(frozenset()) == torch.float32
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Zen\nflags\t\t: fpu sse2 avx512f "
+                       "avx512_bf16 amx_tile\nbugs\t\t: none\n\nprocessor\t: 1\n")
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "sse2", "avx512f", "avx512_bf16", "amx_tile"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+    # an explicit dtype always wins; CUDA keeps the checkpoint's (None)
+    assert serving_dtype("float32", CPU) == "float32"
+    assert serving_dtype(None, torch.device("cuda")) is None
+    here = "bfloat16" if default_cpu_dtype(cpu_flags()) == torch.bfloat16 else "float32"
+    assert serving_dtype(None, CPU) == serving_dtype("auto", CPU) == here
+
+
+def test_the_engine_serves_in_its_default_dtype_packed_where_it_can(model_dir):
+    engine = LLMEngine(EngineArgs(model=str(model_dir), device="cpu", num_kv_blocks=32))
+    expected = default_cpu_dtype(cpu_flags())
+    assert engine.model.model.embed_tokens.weight.dtype == expected
+    assert engine.runner.kv_caches[0][0].dtype == expected
+    assert (engine.packed_linears > 0) == (expected == torch.bfloat16 and BF16_HERE)
