@@ -47,7 +47,13 @@ def spinning_tree(spinners: list[int | None], outer: int | None = None):
         time.sleep(0.2)                    # each loop exec'd and spinning
         yield proc.pid
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # every process of the tree: the loops' own sessions are outside the shell's group,
+        # and a loop left spinning would slow every test after this one
+        for pid in pinned_servers.tree_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
