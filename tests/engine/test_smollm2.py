@@ -115,24 +115,32 @@ def test_a_batch_gives_what_each_prompt_gives_alone(engine, prompts, solo):
     assert [together[str(i)].tokens for i in range(len(prompts))] == solo
 
 
-# Exact equality does not hold in bfloat16: both sides round every matmul, each in its own
-# order, so a next token whose two best logits are close can go either way, and from there the
-# texts differ. Measured (AMD EPYC, one thread): the solo runs share with transformers'
-# bfloat16 runs the first 40, 33, 40 and 40 of 40 tokens; the same chats in one batch (with a
-# fifth) 19, 40, 40 and 35. With transformers 5.24.0 (2026-12-05, the same on the code of
-# 2026-12-04) the solo runs share 19, 33, 24 and 40. So each run agrees on a first stretch,
-# and at least one all the way.
-BF16_AGREED_FLOOR = 12
+# Exact equality does not hold in bfloat16: both sides round every matmul and the attention,
+# each in its own order, so a next token whose two best logits are close can go either way, and
+# from there the texts differ. So the measure is teacher-forced, as the quality gate's: on
+# transformers' bfloat16 text, our bfloat16 model's next-token choice at each position.
+# Measured (Xeon with AMX, one thread; engine with bf16 attention, fused and prepacked
+# products): 0.95, 0.975, 1.0 and 0.975 per chat, mean 0.975 (the quality gate's bar for a
+# change of numerics is 0.95, and against our fp32 engine bf16 passes it: 0.967); the free runs
+# share with transformers' the first 19, 4, 40 and 11 of 40 tokens (with fp32 attention 19,
+# 33, 24 and 40). At least one run still agrees all the way.
+BF16_TOP1_MEAN = 0.95
+BF16_TOP1_FLOOR = 0.9           # any one chat (40 positions: at most 4 choices differ)
 BF16_WHOLE_RUNS = 1
 
 
 def test_bfloat16_agrees_with_transformers_bfloat16(prompts, reference):
     engine = LLMEngine(EngineArgs(model="smollm2", dtype="bfloat16", device="cpu",
                                   num_kv_blocks=64))
+    theirs = reference[torch.bfloat16]
     ours = solo_runs(engine, prompts, GREEDY_TOKENS)
-    agreed = [common_prefix(a, b) for a, b in zip(ours, reference[torch.bfloat16])]
-    print(f"bfloat16: tokens agreed with transformers' bfloat16 run, of {GREEDY_TOKENS}: {agreed}")
-    assert min(agreed) >= BF16_AGREED_FLOOR
+    agreed = [common_prefix(a, b) for a, b in zip(ours, theirs)]
+    top1 = [sum(a == b for a, b in zip(teacher_forced_top1(engine.model, engine.model_config, p,
+                                                           text, torch.bfloat16), text))
+            / len(text) for p, text in zip(prompts, theirs)]
+    print(f"bfloat16: on transformers' bfloat16 text, top-1 agreement per chat {top1}; free "
+          f"runs agree for the first {agreed} of {GREEDY_TOKENS} tokens")
+    assert sum(top1) / len(top1) >= BF16_TOP1_MEAN and min(top1) >= BF16_TOP1_FLOOR
     assert agreed.count(GREEDY_TOKENS) >= BF16_WHOLE_RUNS
 
 
