@@ -479,7 +479,8 @@ FLAGS = _filled((     # in --help's order
          help="names the model answers to; the first is the one responses carry (default: a "
          "built-in model's name, the dir's name, or the .gguf file's stem)"),
     Flag("dtype", choices=DTYPES, parser_checks=False, numeric=True,
-         help=" | ".join(DTYPES) + " (default: fp32 on CPU, bf16/fp16 on CUDA)"),
+         help=" | ".join(DTYPES) + " (default on CPU: bf16 where the CPU has native bf16 "
+         "products, avx512_bf16 or AMX, else fp32; on CUDA the checkpoint's bf16/fp16)"),
     Flag("device", help="auto | cpu | cuda | cuda:N"),
     Flag("load_format", choices=LOAD_FORMATS,
          help="mmap (default): weights memory-mapped from the safetensors files, paged in on "

@@ -1,0 +1,125 @@
+"""The engine's model steps against this machine's floors:
+`python -m prefixgate.backend.bench.steps`.
+
+Loads `--model` as the engine serves it (its dtype, projections fused and linears prepacked:
+backend/cpu_linear.py; `--plain` skips that, to see what it buys), then times, through the
+paged-KV path of backend/models/llama.py, a cold prefill of each of `--prefill-tokens` and a
+decode step of each of `--batches` sequences at `--context` tokens. The limits probe
+(bench/limits.py) runs first in the same process on the same threads, and every figure is also
+given as its fraction of the floor (1.0: the machine's limit). Medians over `--repeats`; run it
+pinned (`taskset -c 0`) with `--threads 1` to measure one core.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from prefixgate.backend.attention import AttentionMetadata
+from prefixgate.backend.bench import limits as probe
+from prefixgate.backend.bench.script import int_list, run_report_save
+from prefixgate.backend.bench.vocab import MODEL_HELP
+from prefixgate.backend.config import resolve_model
+from prefixgate.backend.cpu_linear import prepare_for_inference
+from prefixgate.backend.loader import load_model, serving_dtype
+
+BLOCK = 16
+
+
+def forward_s(model, config, kv, lens: list[int], new: int, repeats: int) -> float:
+    """Median seconds of one step: each sequence (its cache already holding lens[s] - new
+    tokens) computes `new` tokens; the last token's logits of each, as the engine asks."""
+    pages = -(-max(lens) // BLOCK)
+    tables = torch.arange(len(lens) * pages, dtype=torch.int32).view(len(lens), pages)
+    slots = [s * pages * BLOCK + p for s, n in enumerate(lens) for p in range(n - new, n)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.arange(0, len(lens) * new + 1, new, dtype=torch.int32),
+        max_seq_len=max(lens), is_decode=new == 1)
+    ids = torch.randint(0, config.vocab_size, (len(slots),),
+                        generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([p for n in lens for p in range(n - new, n)])
+    last = torch.arange(new - 1, len(slots), new)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):           # the first is a warm-up
+            start = time.perf_counter()
+            model.compute_logits(model(ids, positions, meta, kv)[last])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def run(args) -> dict:
+    limits = probe.measure_limits(args.threads,
+                                  probe.Effort.quick() if args.quick else probe.Effort())
+    path = resolve_model(args.model)
+    dtype = serving_dtype(args.dtype, torch.device("cpu"))
+    model, config = load_model(path, dtype=dtype)
+    packed = 0 if args.plain else prepare_for_inference(model)
+    dtype_name = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    floors = probe.Floors(limits, probe.ModelCost.of(config))
+    longest = max([*args.prefill_tokens, args.context])
+    blocks = max(args.batches) * -(-args.context // BLOCK) + -(-longest // BLOCK)
+    shape = (blocks, BLOCK, config.num_key_value_heads, config.head_dim)
+    kv_dtype = model.model.embed_tokens.weight.dtype
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+          for _ in range(config.num_hidden_layers)]
+    prefill = {n: forward_s(model, config, kv, [n], n, args.repeats)
+               for n in args.prefill_tokens}
+    decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats)
+              for b in args.batches}
+    return {
+        "config": dict(vars(args)), "dtype": dtype_name, "packed_linears": packed,
+        "limits": limits.to_dict(),
+        "prefill": {n: {"s": s, "floor_s": floors.prefill_s(n, dtype_name),
+                        "fraction": floors.prefill_fraction(n, s, dtype_name)}
+                    for n, s in prefill.items()},
+        "decode": {b: {"ms": s * 1e3,
+                       "floor_ms": floors.decode_step(b, dtype_name, args.context)["s"] * 1e3,
+                       "fraction": floors.decode_fraction(b, s, dtype_name, args.context)}
+                   for b, s in decode.items()},
+    }
+
+
+def report(result: dict) -> None:
+    c = result["config"]
+    form = "as loaded (--plain)" if c["plain"] else (
+        f"fused, {result['packed_linears']} linears prepacked")
+    print(f"{c['model']} in {result['dtype']}, {form}, {c['threads']} thread(s); "
+          f"median of {c['repeats']}; fraction = floor / measured")
+    for n, r in result["prefill"].items():
+        print(f"  prefill {n:>6,} tokens  {r['s']:8.3f} s    floor {r['floor_s']:7.3f} s    "
+              f"{r['fraction']:.2f}")
+    for b, r in result["decode"].items():
+        print(f"  decode batch {b:>3} at {c['context']:,}  {r['ms']:6.1f} ms    floor "
+              f"{r['floor_ms']:5.1f} ms    {r['fraction']:.2f}")
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.steps",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default: the engine's (bf16 where the CPU multiplies it natively)")
+    p.add_argument("--plain", action="store_true",
+                   help="the model as loaded: projections not fused, linears not prepacked")
+    p.add_argument("--prefill-tokens", type=int_list, default=[512, 2400])
+    p.add_argument("--batches", type=int_list, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=1024, help="decode: tokens per sequence")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true",
+                   help="the limits probe's quick form: to see that it works, not to measure")
+    p.add_argument("--out", help="save the result as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_report_save(run, report, parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
