@@ -59,11 +59,13 @@ async def measure(url: str, model: str, dtype: str, served_name: str, seed: int,
     tokenizer = prepare_model(model, dtype)       # the model as a Hugging Face directory
     todo, requests = runs(quick)
     out = {}
-    for run in todo:
+    for i, run in enumerate(todo):
+        # a seed of its own per run: the same seed would send random@0.25 the very prompts
+        # random@0.5 just sent, and both engines would answer them from the prefix cache
         flags = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
                  "--model", served_name, "--tokenizer", str(tokenizer),
                  "--dataset-name", run.dataset, *run.flags, "--num-prompts", str(requests),
-                 "--request-rate", str(run.rate), "--seed", str(seed), "--temperature", "0",
+                 "--request-rate", str(run.rate), "--seed", str(seed + i), "--temperature", "0",
                  "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
                  "--metric-percentiles", "50,95,99", "--disable-tqdm"]
         if meter is None:
