@@ -10,6 +10,7 @@ softmax are left out: they are not matrix products and are a small share.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -22,10 +23,15 @@ class PrefillFlops:
     head_dim: int
 
     @classmethod
-    def of(cls, model, config) -> PrefillFlops:
-        """From a loaded engine model (backend/models/llama.py) and its LlamaConfig."""
-        return cls(layer_params=sum(p.numel() for p in model.model.layers.parameters()),
-                   head_params=config.vocab_size * config.hidden_size,
+    def of(cls, config) -> PrefillFlops:
+        """From a model's LlamaConfig: its layers' weights as the loader expects them in a
+        checkpoint (loader.expected_shapes), not a loaded model's parameters(), which do not
+        see the linears the engine prepacks for oneDNN (backend/cpu_linear.py)."""
+        from prefixgate.backend.loader import expected_shapes
+
+        layer_params = sum(math.prod(shape) for name, shape in expected_shapes(config).items()
+                           if name.startswith("model.layers."))
+        return cls(layer_params=layer_params, head_params=config.vocab_size * config.hidden_size,
                    layers=config.num_hidden_layers, heads=config.num_attention_heads,
                    head_dim=config.head_dim)
 

@@ -29,7 +29,6 @@ and report against them (`Floors.prefill_fraction`, `Floors.decode_fraction`).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -252,17 +251,9 @@ class ModelCost:
 
     @classmethod
     def of(cls, config) -> ModelCost:
-        """From a model's config: its layers' weights as the loader expects them in a
-        checkpoint (loader.expected_shapes), not a loaded model's parameters(), which do not
-        see linears prepacked for oneDNN (backend/cpu_linear.py)."""
-        from prefixgate.backend.loader import expected_shapes
-
-        layers = sum(math.prod(shape) for name, shape in expected_shapes(config).items()
-                     if name.startswith("model.layers."))
-        flops = PrefillFlops(layer_params=layers,
-                             head_params=config.vocab_size * config.hidden_size,
-                             layers=config.num_hidden_layers, heads=config.num_attention_heads,
-                             head_dim=config.head_dim)
+        """From a model's config (PrefillFlops.of's weights: a checkpoint's, not a packed
+        model's parameters())."""
+        flops = PrefillFlops.of(config)
         return cls(flops, config.num_key_value_heads)
 
     def weight_bytes(self, dtype: str) -> int:

@@ -33,7 +33,7 @@ async def _with_server(model: str, prompts: Prompts, measure, *flags: str):
     `cached` of `tokens` prompt tokens, of which the cache keeps whole KV blocks only."""
     server = await serve(model, *flags)
     engine = server.engine.engine
-    flops, block = PrefillFlops.of(engine.model, engine.model_config), engine.args.block_size
+    flops, block = PrefillFlops.of(engine.model_config), engine.args.block_size
     try:
         async with aiohttp.ClientSession() as s:
             await ttft(s, server.url, prompts(64))

@@ -83,12 +83,14 @@ def test_measure_limits_puts_torch_threads_back():
 def test_model_cost_counts_the_checkpoints_weights_from_its_config():
     """The counts come from the config (the loader's table of a checkpoint's tensors), so a
     model whose linears are prepacked counts the same as the plain one it was loaded as."""
-    from prefixgate.backend.bench.flops import PrefillFlops
     from prefixgate.backend.config import resolve_model
+    from prefixgate.backend.cpu_linear import prepare_for_inference
     from prefixgate.backend.loader import load_model
 
     model, config = load_model(resolve_model("demo"), dtype="float32")
-    plain = PrefillFlops.of(model, config)
+    loaded = sum(p.numel() for p in model.model.layers.parameters())
     cost = limits.ModelCost.of(limits.model_config("demo"))
-    assert cost.flops == plain and cost.kv_heads == config.num_key_value_heads
+    assert cost.flops.layer_params == loaded and cost.kv_heads == config.num_key_value_heads
+    prepare_for_inference(model)            # fused (and in bf16 packed): the count holds
+    assert limits.ModelCost.of(config) == cost
     assert limits.ModelCost.from_dict(cost.to_dict()) == cost

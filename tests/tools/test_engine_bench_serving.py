@@ -35,8 +35,8 @@ def test_prefill_flops_count_every_layer_weight_and_query_key_pair(model):
     from prefixgate.backend.bench.flops import PrefillFlops
     from prefixgate.backend.loader import load_model
 
-    m, c = load_model(model)
-    flops = PrefillFlops.of(m, c)
+    _, c = load_model(model)
+    flops = PrefillFlops.of(c)
     h, d, heads, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     per_layer = (h * heads * d + 2 * h * kv * d + heads * d * h      # q, k, v, o
                  + 3 * h * c.intermediate_size + 2 * h)              # the MLP, two norms
@@ -67,7 +67,7 @@ def test_parts_c_e_f_run_on_a_gguf_model(tmp_path, capsys, model):
     assert set(tiers) == {"64", "200"}
     # the cache keeps whole blocks (16 tokens): of 160 prompt tokens served before, 160 count
     # at 200 tokens, 48 at 64 (51 served)
-    flops = PrefillFlops.of(*load_model(gguf))
+    flops = PrefillFlops.of(load_model(gguf)[1])
     assert tiers["200"]["flop_limit"]["80"] == flops.hit_limit(200, 160)
     assert tiers["64"]["flop_limit"]["80"] == flops.hit_limit(64, 48)
     for t in tiers.values():
