@@ -7,7 +7,8 @@ For each candidate upstream u (requests' times in seconds, sizes in prompt token
 - own(u): this request's prompt tokens u does not hold: the prompt less the index's match for
   u (`index:` approximate, or the engines' KV events);
 - ahead(u): the uncached tokens already routed to u and not yet answered (prefill_queue.py),
-  plus, where the backends' metrics are polled, the requests u says wait beyond those;
+  plus as much as the oldest of them has waited past its time (work this replica does not
+  see), plus, where the backends' metrics are polled, the requests u says wait beyond those;
 - rate(u), overhead(u): u's fit for the request's model (ttft_model.py), learned from u's
   own answers, so mixed hardware needs no configuration: a backend half as fast is predicted
   twice as slow and gets about half the uncached work.

@@ -5,7 +5,10 @@ upstream's lane at the decision and takes them out at its first byte (the upstre
 computed its prompt) or when it fails without one. What is ahead of a new request is the
 lane's total, less what the upstream has most likely done of the oldest request since the
 lane last moved (a first byte, or work arriving at an idle upstream): an engine computes
-prompts roughly in arrival order.
+prompts roughly in arrival order. An oldest request past the time its work takes waits behind
+work this gateway does not see (other replicas', a long prompt they sent): as much more as it
+has waited beyond its time is counted ahead, so a replica stops sending to an upstream its
+own requests show stuck, seconds before any answer could tell it.
 
 Other gateway replicas' requests are not in the lanes; where `poll_metrics_s` scrapes the
 backends, requests the backend says are waiting beyond this gateway's own count each add the
@@ -31,7 +34,9 @@ class Lane:
         tokens = self.tokens
         if tokens:
             done = (now - self.since) / per_token_s
-            tokens -= self.head if done > self.head else done
+            # past its time the oldest request waits behind work this gateway does not see
+            # (other replicas'): as much more as it has waited beyond its time
+            tokens += done - 2 * self.head if done > self.head else -done
         if waiting is not None and waiting > len(self.pending):
             tokens += (waiting - len(self.pending)) * self.mean
         return tokens
