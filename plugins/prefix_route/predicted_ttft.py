@@ -10,8 +10,9 @@ For each candidate upstream u (requests' times in seconds, sizes in prompt token
   plus as much as the oldest of them has waited past its time (work this replica does not
   see), plus, where the backends' metrics are polled, the requests u says wait beyond those;
 - rate(u), overhead(u): u's fit for the request's model (ttft_model.py), learned from u's
-  own answers, so mixed hardware needs no configuration: a backend half as fast is predicted
-  twice as slow and gets about half the uncached work.
+  own answers, anchored to the fleet's line while they are few, so mixed hardware needs no
+  configuration: a backend half as fast is predicted twice as slow and gets about half the
+  uncached work.
 
 The candidates are the upstreams predicted within `tie_ms`, or `tie_fraction` of the best,
 whichever is larger; of them, those holding the most of the prompt (the cache home, while it
@@ -396,8 +397,7 @@ class PredictedTTFT(PrefixScorer):
             if prompt is not None:
                 own = max(prompt - (cached if cached is not None else r.cached), 1)
         self.errors.labels(r.name).observe(abs(r.predicted_s - measured) / measured)
-        self.model.fit(r.name, ctx.model, self.clock()).observe(r.ahead + own, measured,
-                                                                self.clock())
+        self.model.observe(r.name, ctx.model, r.ahead + own, measured, self.clock())
 
 
 def _header_times(chosen, runner_up) -> str:

@@ -14,7 +14,14 @@ request (`policy: predicted_ttft`, predicted_ttft.py, feeds it):
   protect, only a stall to bound;
 - anchored: the previous line counts as ANCHOR_WEIGHT observations at 0 and at the mean
   token count, which keeps the slope defined while the requests all have one length, and
-  holds the line where it was while no request comes (no traffic is no news);
+  holds the line where it was while no request comes (no traffic is no news); fed through
+  `TTFTModel.observe`, the anchor is instead the fleet's line (every upstream's answers for
+  the model), at FLEET_WEIGHT observations per upstream: one replica of many, routing to many
+  upstreams, hears from each rarely, and a few answers that waited behind the other replicas'
+  work made an upstream look slow, and its prefixes spill, where the fleet's line knew better
+  (16 replicas at 64 upstreams in the fleet simulator, 120% load: 0.83x one replica's hit
+  rate before, 0.95x with it, docs/routing.md); an upstream with many answers, or one of few
+  upstreams, keeps its own rate;
 - seeded: a new upstream starts from `prior` (configured), else from the fleet's median fit
   for the model, else from DEFAULT_PRIOR.
 
@@ -35,6 +42,11 @@ SCALE_ALPHA = 0.05         # the mean absolute residual's smoothing per observat
 ANCHOR_WEIGHT = 2.0        # observations' worth of the previous line
 MIN_RATE, MAX_RATE = 1.0, 1e8          # tokens per second
 ANCHOR_TOKENS = 1000.0     # where the anchor's second point sits before any data
+# an upstream's fit is anchored to the fleet's line with this many observations' worth per
+# upstream of the model: where answers from each of many upstreams are few (one of many
+# replicas, many upstreams), each is predicted about as the fleet is; an upstream with many
+# (decayed) answers, or one of a few, by its own
+FLEET_WEIGHT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +80,11 @@ class PrefillFit:
         """Seconds to the first token for `tokens` to compute."""
         return self.overhead_s + self.per_token_s * tokens
 
-    def observe(self, tokens: float, seconds: float, now: float) -> None:
-        """One answered request: `tokens` computed (or waited for) in `seconds`."""
+    def observe(self, tokens: float, seconds: float, now: float,
+                anchor: PrefillFit | None = None, anchor_weight: float = ANCHOR_WEIGHT) -> None:
+        """One answered request: `tokens` computed (or waited for) in `seconds`; `anchor`:
+        the line the data is anchored to with `anchor_weight` observations' worth (the
+        fleet's; None: this fit's previous line)."""
         self._decay(now)
         expected = self.predict(tokens)
         residual = seconds - expected
@@ -87,7 +102,7 @@ class PrefillFit:
         self._xx += tokens * tokens
         self._xy += tokens * y
         self.observations += 1
-        self._solve()
+        self._solve(anchor, anchor_weight)
 
     def _decay(self, now: float) -> None:
         dt = now - self._t
@@ -101,16 +116,20 @@ class PrefillFit:
         self._xx *= f
         self._xy *= f
 
-    def _solve(self) -> None:
-        """The weighted least-squares line through the data and the previous line's anchor."""
-        a0, b0 = self.overhead_s, self.per_token_s
+    def _solve(self, anchor: PrefillFit | None = None, weight: float = ANCHOR_WEIGHT) -> None:
+        """The weighted least-squares line through the data and the anchor's line (the
+        previous line, or the fleet's)."""
+        if anchor is None:
+            a0, b0, k = self.overhead_s, self.per_token_s, ANCHOR_WEIGHT
+        else:
+            a0, b0, k = anchor.overhead_s, anchor.per_token_s, weight
         xr = self._x / self._w if self._w > 0 else ANCHOR_TOKENS
         yr = a0 + b0 * xr
-        w = self._w + 2 * ANCHOR_WEIGHT
-        sx = self._x + ANCHOR_WEIGHT * xr
-        sy = self._y + ANCHOR_WEIGHT * (a0 + yr)
-        sxx = self._xx + ANCHOR_WEIGHT * xr * xr
-        sxy = self._xy + ANCHOR_WEIGHT * xr * yr
+        w = self._w + 2 * k
+        sx = self._x + k * xr
+        sy = self._y + k * (a0 + yr)
+        sxx = self._xx + k * xr * xr
+        sxy = self._xy + k * xr * yr
         var = sxx - sx * sx / w
         if var <= 0:
             return
@@ -129,6 +148,18 @@ class TTFTModel:
         self.prior = prior                   # None: the fleet's fit, else DEFAULT_PRIOR
         self.half_life_s = half_life_s
         self.fits: dict[str | None, dict[str, PrefillFit]] = {}     # model -> upstream -> fit
+        self.fleet: dict[str | None, PrefillFit] = {}       # model -> every upstream's answers
+
+    def observe(self, name: str, model: str | None, tokens: float, seconds: float,
+                now: float) -> None:
+        """One answer of upstream `name`: its fit learns it, anchored to the fleet's line."""
+        fleet = self.fleet.get(model)
+        if fleet is None:
+            fleet = self.fleet[model] = PrefillFit(self.prior or DEFAULT_PRIOR,
+                                                   self.half_life_s, now)
+        fleet.observe(tokens, seconds, now)
+        fit = self.fit(name, model, now)
+        fit.observe(tokens, seconds, now, fleet, FLEET_WEIGHT * len(self.fits[model]))
 
     def of(self, model: str | None) -> dict[str, PrefillFit]:
         """The fits of `model`'s upstreams (filled by `fit`)."""

@@ -119,3 +119,23 @@ def test_polled_waiting_requests_beyond_ours_add_the_mean_request():
     assert lane.ahead(0.0, 1e-3, waiting=2) == 400             # only ours wait
     extra = lane.ahead(0.0, 1e-3, waiting=5) - 400             # three more: others' requests
     assert 3 * 100 <= extra <= 3 * 300
+
+
+def test_an_upstream_with_few_answers_is_predicted_as_the_fleet():
+    """Anchored to the fleet's line: one of many replicas hears from each of many upstreams
+    rarely, and a few answers that waited behind other replicas' work do not make an upstream
+    look slow; an upstream with many answers is predicted by its own."""
+    model, rng, t = TTFTModel(None, 15.0), random.Random(5), 0.0
+    for _ in range(400):                    # the fleet: 12,000 tokens/s
+        t += EVERY_S / 4
+        tokens = rng.uniform(100, 4000)
+        model.observe(f"u{rng.randrange(40)}", "m", tokens, 0.005 + tokens / 12_000, t)
+    for _ in range(3):                      # three answers of "rare", each 1 s late
+        t += EVERY_S
+        model.observe("rare", "m", 2000, 1.0 + 2000 / 12_000, t)
+    assert model.fit("rare", "m", t).predict(2000) < 0.5
+    for _ in range(300):                    # "slow" answers often, at half the speed
+        t += EVERY_S / 4
+        tokens = rng.uniform(100, 4000)
+        model.observe("slow", "m", tokens, 0.005 + tokens / 6000, t)
+    assert model.fit("slow", "m", t).tokens_per_s == pytest.approx(6000, rel=0.2)
