@@ -122,6 +122,7 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
     out = torch.zeros_like(q)
     ks, vs = fp8_scales(k_cache, k_scale), fp8_scales(v_cache, v_scale)
     lens = seq_lens.tolist()
+    dtype = attention_dtype(q)
     for group in length_groups(lens):
         longest = lens[group[0]]
         every = len(group) == len(lens)      # the usual decode batch: no row shuffling needed
@@ -129,7 +130,6 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
         idx = torch.tensor(group, device=q.device)
         tables = (block_tables if every
                   else block_tables.index_select(0, idx.to(block_tables.device)))
-        dtype = attention_dtype(q)
         k = gather_kv(k_cache, tables, longest, ks, dtype).transpose(1, 2)     # [G, Hkv, L, D]
         v = gather_kv(v_cache, tables, longest, vs, dtype).transpose(1, 2)
         kw = {}

@@ -43,10 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.backend.bench.flops import PrefillFlops
-from prefixgate.backend.bench.script import int_list, save_json
+from prefixgate.backend.bench.script import int_list, run_report_save
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BYTES = {"float32": 4, "bfloat16": 2}
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
          "amx_bf16", "amx_int8")
 GEMM_M = (128, 512)                       # prefill chunks (512: both engines' step budget)
@@ -259,12 +258,12 @@ class ModelCost:
     def weight_bytes(self, dtype: str) -> int:
         """Every weight read once: the layers and the (tied) lm_head; the embedding rows a
         step gathers and the norms are left out (a few KB)."""
-        return (self.flops.layer_params + self.flops.head_params) * BYTES[dtype]
+        return (self.flops.layer_params + self.flops.head_params) * DTYPES[dtype].itemsize
 
     def kv_bytes(self, context: int, dtype: str) -> int:
         """One sequence's K and V over `context` tokens, every layer."""
         f = self.flops
-        return 2 * f.layers * self.kv_heads * f.head_dim * context * BYTES[dtype]
+        return 2 * f.layers * self.kv_heads * f.head_dim * context * DTYPES[dtype].itemsize
 
     def to_dict(self) -> dict:
         return {**asdict(self.flops), "kv_heads": self.kv_heads}
@@ -406,11 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="one GEMM shape, a 256 MiB buffer, 3 repeats: to see that it works")
     p.add_argument("--out", default=None, help="save the results as JSON here")
-    args = p.parse_args(argv)
-    result = run(args)
-    report(result)
-    save_json(result, args.out)
-    return 0
+    return run_report_save(run, report, p.parse_args(argv))
 
 
 if __name__ == "__main__":

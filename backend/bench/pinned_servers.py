@@ -2,11 +2,9 @@
 process tree on the same core from its first instruction, and what such a tree holds and uses.
 
 Ours: `prefixgate backend` under `taskset -c CORE`, torch on one thread (OMP_NUM_THREADS). vLLM:
-the CPU build's server (proxy/testing/real_vllm.py, which starts it without taskset), started
-from a thread pinned to the core for the while (`launched_on`): a process inherits its parent
-thread's CPU affinity, and every thread and process it starts inherits its own, so the API
-server, the engine core and all their threads are on the core from their start, and vLLM's
-OpenMP thread is bound to it too (VLLM_CPU_OMP_THREADS_BIND). Once ready, every thread of each
+the CPU build's server (proxy/testing/real_vllm.py, `taskset=True`) under `taskset -c CORE` too,
+so the API server, the engine core and all their threads are on the core from their start, and
+vLLM's OpenMP thread is bound to it (VLLM_CPU_OMP_THREADS_BIND). Once ready, every thread of each
 tree is checked to be on that core and nothing else (`check_pinned`); a core that cannot be
 used, or a thread found elsewhere, raises PinningError: nothing is silently left unpinned.
 
@@ -77,14 +75,11 @@ def vllm(s: Settings):
     `s.vllm_compiled` is False."""
     args = ["--max-model-len", str(s.max_model_len),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-    if s.vllm_compiled:     # real_vllm starts it with --enforce-eager; the last flag wins
-        args.append("--no-enforce-eager")
-    with contextlib.ExitStack() as stack:
-        with launched_on(s.core):
-            (server,) = stack.enter_context(vllm_servers(
-                1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
-                kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
-                cores=[str(s.core)], timeout=READY_TIMEOUT_S))
+    check_core(s.core)
+    with vllm_servers(1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
+                      kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
+                      cores=[str(s.core)], eager=not s.vllm_compiled, taskset=True,
+                      timeout=READY_TIMEOUT_S) as (server,):
         check_pinned(server.pid, s.core)
         yield Running("vllm", server.url, server.pid)
 
@@ -148,23 +143,6 @@ def check_core(core: int) -> None:
     if core not in online:
         raise PinningError(f"cannot pin to core {core}: this machine's online cores are "
                            f"{', '.join(map(str, sorted(online)))}")
-
-
-@contextlib.contextmanager
-def launched_on(core: int):
-    """The calling thread on `core` alone while the block runs, so that whatever it starts
-    (and all that starts in turn) is on that core from its first instruction; the thread's
-    own cores are put back afterwards."""
-    check_core(core)
-    before = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {core})
-    except OSError as e:
-        raise PinningError(f"cannot pin to core {core}: {e}") from e
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _threads(pid: int) -> list[int]:

@@ -28,6 +28,13 @@ from prefixgate.backend.loader import load_model, serving_dtype
 BLOCK = 16
 
 
+def paged_cache(config, tokens: int, dtype: torch.dtype) -> list[tuple]:
+    """Per layer an empty (k, v) paged cache with room for `tokens` tokens."""
+    shape = (-(-tokens // BLOCK), BLOCK, config.num_key_value_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(config.num_hidden_layers)]
+
+
 def forward_s(model, config, kv, lens: list[int], new: int, repeats: int) -> float:
     """Median seconds of one step: each sequence (its cache already holding lens[s] - new
     tokens) computes `new` tokens; the last token's logits of each, as the engine asks."""
@@ -59,14 +66,11 @@ def run(args) -> dict:
     dtype = serving_dtype(args.dtype, torch.device("cpu"))
     model, config = load_model(path, dtype=dtype)
     packed = 0 if args.plain else prepare_for_inference(model)
-    dtype_name = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    weight_dtype = model.model.embed_tokens.weight.dtype
+    dtype_name = str(weight_dtype).removeprefix("torch.")
     floors = probe.Floors(limits, probe.ModelCost.of(config))
-    longest = max([*args.prefill_tokens, args.context])
-    blocks = max(args.batches) * -(-args.context // BLOCK) + -(-longest // BLOCK)
-    shape = (blocks, BLOCK, config.num_key_value_heads, config.head_dim)
-    kv_dtype = model.model.embed_tokens.weight.dtype
-    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-          for _ in range(config.num_hidden_layers)]
+    pages = -(-max([*args.prefill_tokens, args.context]) // BLOCK)
+    kv = paged_cache(config, max(args.batches) * pages * BLOCK, weight_dtype)
     prefill = {n: forward_s(model, config, kv, [n], n, args.repeats)
                for n in args.prefill_tokens}
     decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats)

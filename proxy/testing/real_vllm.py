@@ -76,6 +76,8 @@ class VLLMServer:
     topic: str = "kv"
     log_path: Path | None = None
     env: dict = field(default_factory=dict)        # this server's own (NIXL's side channel)
+    eager: bool = True                  # --enforce-eager; False: compiled, vLLM's default
+    taskset: bool = False               # the whole tree on `cores` from launch, not only OpenMP
     process: ServerProcess | None = field(default=None, repr=False)
 
     @property
@@ -93,8 +95,9 @@ class VLLMServer:
     def command(self) -> list[str]:
         cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
-               "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details", *self.args]
+               "--host", "127.0.0.1", "--port", str(self.port),
+               *(["--enforce-eager"] if self.eager else []), "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", *self.args]
         if self.kv_events_port is not None:
             cmd += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": self.topic,
@@ -112,6 +115,7 @@ class VLLMServer:
                    "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    **self.env, **(env or {})}
         self.process = ServerProcess(self.command(), self.url, what=f"vLLM at {self.url}",
+                                     cores=self.cores if self.taskset else None,
                                      env=environ, log=self.log_path,
                                      cwd=venv_dir()).start()   # not a checkout: see clean_env
 
@@ -163,10 +167,13 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
                  served_model_name: str = "smollm2", args: list[str] | None = None,
                  kv_events: bool = True, kvcache_gib: int = 1, env: dict | None = None,
                  log_dir: str | Path | None = None, cores: list[str] | None = None,
-                 nixl: bool = False, timeout: float = READY_TIMEOUT_S):
+                 nixl: bool = False, eager: bool = True, taskset: bool = False,
+                 timeout: float = READY_TIMEOUT_S):
     """`n` vLLM servers, started together and ready; stopped on exit. Raises VLLMUnavailable
     (with the server's log tail) when one cannot start. `nixl`: each can take either leg of a
-    P/D pair (NixlConnector, see above)."""
+    P/D pair (NixlConnector, see above). `eager` False: compiled (vLLM's default, slower to
+    start); `taskset`: each server's whole process tree on its `cores` from launch (else only
+    its OpenMP threads are bound there)."""
     ensure_vllm()
     if nixl:
         ensure_nixl()
@@ -184,7 +191,7 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
             kv_events_port=free_port() if kv_events else None,
             replay_port=free_port() if kv_events else None,
             log_path=log_dir / f"vllm{i}.log" if log_dir else None,
-            env=nixl_env(free_port()) if nixl else {}))
+            env=nixl_env(free_port()) if nixl else {}, eager=eager, taskset=taskset))
     try:
         for server in servers:
             server.start(kvcache_gib, env)

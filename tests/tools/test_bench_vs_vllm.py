@@ -120,27 +120,13 @@ def test_a_core_that_does_not_exist_is_an_error(capsys):
     core = max(pinned_servers.online_cores()) + 1
     with pytest.raises(PinningError, match=f"cannot pin to core {core}: this machine's online "
                                            "cores are 0"):
-        with pinned_servers.launched_on(core):
-            pass
+        pinned_servers.check_core(core)
     settings = pinned_servers.Settings("demo", "float32", core, 512, 1024, 1)
     with pytest.raises(PinningError, match=f"cannot pin to core {core}"):
         with pinned_servers.ours(settings):
             pass
     assert vs_vllm.main(["--engines", "ours", "--model", "demo", "--core", str(core)]) == 1
     assert f"error: cannot pin to core {core}" in capsys.readouterr().err
-
-
-def test_launched_on_starts_processes_on_the_core_and_puts_the_thread_back():
-    core = cores_here()[-1]
-    before = os.sched_getaffinity(0)
-    with pinned_servers.launched_on(core):
-        proc = subprocess.Popen(["sleep", "30"])
-    try:
-        assert os.sched_getaffinity(0) == before
-        pinned_servers.check_pinned(proc.pid, core)
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.timeout(300)
