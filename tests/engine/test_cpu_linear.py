@@ -41,6 +41,15 @@ def logits_of(model, config, dtype) -> list[torch.Tensor]:
     return [step[s] for step in out for s in sorted(step)]
 
 
+def assert_same_bf16_logits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 activations, each product rounded in another order: the values agree at bf16's
+    resolution of the logits' scale, and so does the choice — a's argmax is b's up to that
+    resolution (a random model's logits are flat: near-ties are common)."""
+    tolerance = 0.05 * a.abs().max().item()
+    torch.testing.assert_close(b, a, atol=tolerance, rtol=0)
+    assert (b.gather(-1, a.argmax(-1, keepdim=True))[:, 0] >= b.max(-1).values - tolerance).all()
+
+
 def test_fused_projections_compute_what_the_separate_ones_do(model_dir):
     plain, config = load_model(model_dir, dtype="float32")
     fused, _ = load_model(model_dir, dtype="float32")
@@ -79,10 +88,7 @@ def test_a_packed_model_gives_the_logits_of_the_plain_one(model_dir):
     assert packed.packed_head is not None or packed.lm_head is not None
     for a, b in zip(logits_of(plain, config, torch.bfloat16),
                     logits_of(packed, config, torch.bfloat16), strict=True):
-        # bf16 activations, each product rounded in another order: compare the choice
-        # (argmax) and the values at bf16's resolution of the logits' scale
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        torch.testing.assert_close(a, b, atol=0.05 * a.abs().max().item(), rtol=0)
+        assert_same_bf16_logits(a, b)
 
 
 def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
