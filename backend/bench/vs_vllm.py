@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -461,6 +462,8 @@ def parse_args(argv: list[str] | None = None):
     unknown = set(args.parts) - set(PARTS) | set(args.engines) - set(ENGINES)
     if unknown:
         p.error(f"unknown part or engine: {', '.join(sorted(unknown))}")
+    if args.profile and shutil.which("py-spy") is None:
+        p.error("--profile needs py-spy on PATH (pip install py-spy)")
     return args
 
 

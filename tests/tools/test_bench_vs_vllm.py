@@ -129,6 +129,14 @@ def test_a_core_that_does_not_exist_is_an_error(capsys):
     assert f"error: cannot pin to core {core}" in capsys.readouterr().err
 
 
+def test_profile_without_py_spy_is_a_usage_error_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SystemExit) as exit_:
+        vs_vllm.parse_args(["--engines", "ours", "--profile", "/tmp/prof"])
+    assert exit_.value.code == 2
+    assert "--profile needs py-spy" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_quick_run_of_ours_alone_records_limits_cpu_seconds_and_threads(tmp_path, capsys):
     out, core = tmp_path / "vs.json", cores_here()[-1]
