@@ -119,27 +119,31 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
                          k_scale=None, v_scale=None) -> torch.Tensor:
     """q [S, H, D]: each sequence's one new token attends to all seq_lens[s] cached tokens.
     Sequences with nothing cached (seq_lens 0) give zeros."""
-    out = torch.zeros_like(q)
     ks, vs = fp8_scales(k_cache, k_scale), fp8_scales(v_cache, v_scale)
     lens = seq_lens.tolist()
     dtype = attention_dtype(q)
-    for group in length_groups(lens):
-        longest = lens[group[0]]
-        every = len(group) == len(lens)      # the usual decode batch: no row shuffling needed
+    groups = length_groups(lens)
+    if len(groups) == 1 and len(groups[0]) == len(lens):     # the usual decode batch: one call
+        return _attend(q, k_cache, v_cache, block_tables, lens, ks, vs, scale, dtype)
+    out = torch.zeros_like(q)           # sequences with nothing cached stay zeros
+    for group in groups:
         group.sort()
         idx = torch.tensor(group, device=q.device)
-        tables = (block_tables if every
-                  else block_tables.index_select(0, idx.to(block_tables.device)))
-        k = gather_kv(k_cache, tables, longest, ks, dtype).transpose(1, 2)     # [G, Hkv, L, D]
-        v = gather_kv(v_cache, tables, longest, vs, dtype).transpose(1, 2)
-        kw = {}
-        n = [lens[s] for s in group]
-        if min(n) != longest:                # ragged group: hide each sequence's padding
-            n = torch.tensor(n, device=q.device)
-            visible = torch.arange(longest, device=q.device)[None, :] < n[:, None]
-            kw["attn_mask"] = visible[:, None, None]
-        o = sdpa((q if every else q[idx])[:, :, None], k, v, scale, **kw)[:, :, 0].to(q.dtype)
-        if every:
-            return o
-        out[idx] = o
+        tables = block_tables.index_select(0, idx.to(block_tables.device))
+        out[idx] = _attend(q[idx], k_cache, v_cache, tables, [lens[s] for s in group], ks, vs,
+                           scale, dtype)
     return out
+
+
+def _attend(q, k_cache, v_cache, tables, lens: list[int], ks, vs, scale, dtype) -> torch.Tensor:
+    """One padded SDPA call for sequences of similar lengths `lens` (their block tables,
+    their queries q [G, H, D]); a ragged group hides each sequence's padding with a mask."""
+    longest = max(lens)
+    k = gather_kv(k_cache, tables, longest, ks, dtype).transpose(1, 2)     # [G, Hkv, L, D]
+    v = gather_kv(v_cache, tables, longest, vs, dtype).transpose(1, 2)
+    kw = {}
+    if min(lens) != longest:
+        n = torch.tensor(lens, device=q.device)
+        visible = torch.arange(longest, device=q.device)[None, :] < n[:, None]
+        kw["attn_mask"] = visible[:, None, None]
+    return sdpa(q[:, :, None], k, v, scale, **kw)[:, :, 0].to(q.dtype)
