@@ -2,7 +2,9 @@
 
 The model never knows how the KV cache is laid out beyond "write these slots, then attend over
 these block tables"; the kernels (Triton on CUDA, plain PyTorch on CPU) live in
-`prefixgate.kernels` and are chosen by `AttentionMetadata.attention_backend`.
+`prefixgate.kernels` and are chosen by `AttentionMetadata.attention_backend`. On a CPU with the
+compiled operators loaded, the default backend decodes through backend/cpu_ops.py, which reads
+the paged cache in place ("torch" still forces the reference).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixgate import kernels
+from prefixgate.backend import cpu_ops
 
 
 @dataclass
@@ -43,6 +46,9 @@ def paged_attention(
         k, v = round_mantissa(k, meta.kv_mantissa_bits), round_mantissa(v, meta.kv_mantissa_bits)
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     if meta.is_decode:
+        if backend in (None, "auto") and cpu_ops.decodes_in_place(q, k_cache):
+            return cpu_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                  meta.seq_lens, scale)
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, backend=backend
         )

@@ -71,6 +71,6 @@ def prepare_for_inference(model: nn.Module) -> int:
     (backend/cpu_ops.py); returns how many linears were packed."""
     model.fuse_projections()
     weight = model.model.embed_tokens.weight
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if weight.dtype in cpu_ops.DTYPES and weight.device.type == "cpu":
         cpu_ops.load(cpu_flags())
     return pack_linears(model)

@@ -1,14 +1,15 @@
-// The bundled engine's fused elementwise operators for bf16 on a CPU (backend/cpu_ops.py builds
-// this file once per machine and falls back to plain PyTorch without a compiler).
+// The bundled engine's compiled operators on a CPU, for fp32 and bf16 (backend/cpu_ops.py
+// builds this file once per machine and falls back to plain PyTorch without a compiler).
 //
 // Why: between its matrix products a decoder layer runs a dozen elementwise operators, and in
 // PyTorch each is a pass of its own over the activations, with its own bf16 <-> fp32
 // conversions and its own dispatch. On one core (Xeon with AMX, SmolLM2, 512 tokens) they took
-// ~1.9 ms per layer, as much as a third of a prefill chunk. Here each is one pass: values are
-// widened to fp32 once, computed, and rounded to bf16 once.
+// ~1.9 ms per layer in bf16, as much as a third of a prefill chunk. Here each is one pass:
+// values are widened to fp32 once, computed, and rounded to the activations' dtype once.
+// Decode attention reads the paged KV cache where it lies (see paged_decode_attention).
 //
-// Every function takes contiguous bf16 rows ([T, H]: T tokens) except where said, and spreads
-// the rows over torch's intra-op threads.
+// Every elementwise function takes contiguous rows ([T, H]: T tokens) of fp32 or bf16 except
+// where said, and spreads the rows over torch's intra-op threads.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <limits>
+#include <type_traits>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -23,19 +28,74 @@ using at::vec::Vectorized;
 using bf16 = c10::BFloat16;
 using FloatVec = Vectorized<float>;
 using BF16Vec = Vectorized<bf16>;
+// Elements per step of the vector loops: one bf16 vector, two fp32 ones.
+constexpr int64_t kStep = BF16Vec::size();
+static_assert(kStep == 2 * FloatVec::size(), "a bf16 vector widens to two fp32 vectors");
 constexpr int64_t kRowsPerTask = 16;   // rows per parallel task: a few microseconds of work
 
+// --- loads and stores of kStep elements as two fp32 vectors --------------------------------
+
+inline std::tuple<FloatVec, FloatVec> load2(const float* p) {
+  return {FloatVec::loadu(p), FloatVec::loadu(p + FloatVec::size())};
+}
+inline std::tuple<FloatVec, FloatVec> load2(const bf16* p) {
+  return at::vec::convert_to_float<bf16>(BF16Vec::loadu(p));
+}
+inline void store2(float* p, FloatVec a, FloatVec b) {
+  a.store(p);
+  b.store(p + FloatVec::size());
+}
+inline void store2(bf16* p, FloatVec a, FloatVec b) {
+  at::vec::convert_from_float<bf16>(a, b).store(p);
+}
+// a and b as the dtype T would hold them (bf16 rounds; fp32 is as is)
+template <typename T>
+inline std::tuple<FloatVec, FloatVec> as_stored(FloatVec a, FloatVec b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {a, b};
+  } else {
+    return at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(a, b));
+  }
+}
+// exp as accurate as the dtype needs: Sleef's exact one for fp32; for bf16 exp_u20 (within 20
+// ulp of fp32, Inductor's choice too), far below bf16's rounding, at about half the cost
+template <typename T>
+inline FloatVec exp_for(FloatVec x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp();
+  } else {
+    return x.exp_u20();
+  }
+}
+
 void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, name,
+              " must be float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be contiguous [T, H]");
 }
 
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
+              "weight must be [H] of x's dtype");
+}
+
+// Runs fn<T>() with T the C++ type of x's dtype (float or bf16; check_rows has checked it).
+template <typename Fn>
+void with_type(const torch::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == torch::kFloat) {
+    fn(float{});
+  } else {
+    fn(bf16{});
+  }
+}
+
 // sum of squares of one row, accumulated in fp32
-float sum_of_squares(const bf16* row, int64_t n) {
+template <typename T>
+float sum_of_squares(const T* row, int64_t n) {
   FloatVec acc0(0.f), acc1(0.f);
   int64_t i = 0;
-  for (; i + BF16Vec::size() <= n; i += BF16Vec::size()) {
-    auto [a, b] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(row + i));
+  for (; i + kStep <= n; i += kStep) {
+    auto [a, b] = load2(row + i);
     acc0 = at::vec::fmadd(a, a, acc0);
     acc1 = at::vec::fmadd(b, b, acc1);
   }
@@ -45,27 +105,73 @@ float sum_of_squares(const bf16* row, int64_t n) {
   return sum;
 }
 
-// out = weight * bf16(row * inverse_rms), as Hugging Face's LlamaRMSNorm rounds it
-void normalize_row(const bf16* row, const bf16* weight, float inverse_rms, bf16* out,
-                   int64_t n) {
+// out = weight * T(row * inverse_rms), as Hugging Face's LlamaRMSNorm rounds it
+template <typename T>
+void normalize_row(const T* row, const T* weight, float inverse_rms, T* out, int64_t n) {
   const FloatVec scale(inverse_rms);
   int64_t i = 0;
-  for (; i + BF16Vec::size() <= n; i += BF16Vec::size()) {
-    auto [a, b] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(row + i));
-    auto [wa, wb] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(weight + i));
-    auto [na, nb] = at::vec::convert_to_float<bf16>(
-        at::vec::convert_from_float<bf16>(a * scale, b * scale));
-    at::vec::convert_from_float<bf16>(na * wa, nb * wb).store(out + i);
+  for (; i + kStep <= n; i += kStep) {
+    auto [a, b] = load2(row + i);
+    auto [wa, wb] = load2(weight + i);
+    auto [na, nb] = as_stored<T>(a * scale, b * scale);
+    store2(out + i, na * wa, nb * wb);
   }
-  for (; i < n; ++i) out[i] = bf16(float(bf16(float(row[i]) * inverse_rms)) * float(weight[i]));
+  for (; i < n; ++i) out[i] = T(float(T(float(row[i]) * inverse_rms)) * float(weight[i]));
 }
 
-void rms_norm_rows(const bf16* x, const bf16* weight, bf16* out, int64_t rows, int64_t n,
-                   float eps) {
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
-    const bf16* row = x + t * n;
+    const T* row = x + t * n;
     float inverse_rms = 1.f / std::sqrt(sum_of_squares(row, n) / n + eps);
     normalize_row(row, weight, inverse_rms, out + t * n, n);
+  }
+}
+
+template <typename T>
+void add_rows(T* row, const T* add, int64_t n) {
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    auto [a, b] = load2(row + i);
+    auto [c, d] = load2(add + i);
+    store2(row + i, a + c, b + d);
+  }
+  for (; i < n; ++i) row[i] = T(float(row[i]) + float(add[i]));
+}
+
+template <typename T>
+void rotate_head(T* x1, const float* c, const float* s, int64_t half) {
+  T* x2 = x1 + half;
+  int64_t i = 0;
+  for (; i + kStep <= half; i += kStep) {
+    auto [a0, a1] = load2(x1 + i);
+    auto [b0, b1] = load2(x2 + i);
+    auto [c0, c1] = load2(c + i);
+    auto [s0, s1] = load2(s + i);
+    store2(x1 + i, a0 * c0 - b0 * s0, a1 * c1 - b1 * s1);
+    store2(x2 + i, b0 * c0 + a0 * s0, b1 * c1 + a1 * s1);
+  }
+  for (; i < half; ++i) {
+    float a = x1[i], b = x2[i];
+    x1[i] = T(a * c[i] - b * s[i]);
+    x2[i] = T(b * c[i] + a * s[i]);
+  }
+}
+
+template <typename T>
+void silu_and_mul_row(const T* gate, T* out, int64_t n) {
+  const T* up = gate + n;
+  const FloatVec one(1.f);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    auto [g0, g1] = load2(gate + i);
+    auto [u0, u1] = load2(up + i);
+    FloatVec s0 = g0 / (one + exp_for<T>(g0.neg())), s1 = g1 / (one + exp_for<T>(g1.neg()));
+    store2(out + i, s0 * u0, s1 * u1);
+  }
+  for (; i < n; ++i) {
+    float g = gate[i];
+    out[i] = T(g / (1.f + std::exp(-g)) * float(up[i]));
   }
 }
 
@@ -74,46 +180,47 @@ void rms_norm_rows(const bf16* x, const bf16* weight, bf16* out, int64_t rows, i
 // RMSNorm of each row of x [T, H] with weight [H].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.numel() == x.size(1),
-              "weight must be bfloat16 [H]");
+  check_weight(weight, x);
   auto out = torch::empty_like(x);
+  auto w = weight.contiguous();
   const int64_t n = x.size(1);
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.contiguous().data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    rms_norm_rows(xp + begin * n, wp, op + begin * n, end - begin, n, float(eps));
+  with_type(x, [&](auto type) {
+    using T = decltype(type);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      rms_norm_rows(xp + begin * n, wp, op + begin * n, end - begin, n, float(eps));
+    });
   });
   return out;
 }
 
-// residual += x (rounded to bf16, as `residual + x` is), then RMSNorm of the sum: the residual
-// stream's add and the next norm in one pass. Returns the normalized rows; residual is updated
-// in place.
+// residual += x (rounded to the dtype, as `residual + x` is), then RMSNorm of the sum: the
+// residual stream's add and the next norm in one pass. Returns the normalized rows; residual is
+// updated in place.
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                            double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have one shape");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have one shape and dtype");
+  check_weight(weight, x);
   auto out = torch::empty_like(x);
+  auto w = weight.contiguous();
   const int64_t n = x.size(1);
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  const bf16* wp = weight.contiguous().data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      bf16* row = rp + t * n;
-      const bf16* add = xp + t * n;
-      int64_t i = 0;
-      for (; i + BF16Vec::size() <= n; i += BF16Vec::size()) {
-        auto [a, b] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(row + i));
-        auto [c, d] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(add + i));
-        at::vec::convert_from_float<bf16>(a + c, b + d).store(row + i);
+  with_type(x, [&](auto type) {
+    using T = decltype(type);
+    const T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        add_rows(rp + t * n, xp + t * n, n);
+        rms_norm_rows(rp + t * n, wp, op + t * n, 1, n, float(eps));
       }
-      for (; i < n; ++i) row[i] = bf16(float(row[i]) + float(add[i]));
-      rms_norm_rows(row, wp, op + t * n, 1, n, float(eps));
-    }
+    });
   });
   return out;
 }
@@ -122,38 +229,26 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // qkv [T, heads_total, D] (any row stride, heads contiguous) rotate by cos/sin [T, D / 2] fp32:
 // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
 void rope_(torch::Tensor qkv, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && qkv.dim() == 3, "qkv: bf16 [T, H, D]");
+  TORCH_CHECK(qkv.dim() == 3 && (qkv.scalar_type() == torch::kBFloat16 ||
+                                 qkv.scalar_type() == torch::kFloat),
+              "qkv: float32 or bfloat16 [T, H, D]");
   TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "qkv's heads must be dense");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "cos/sin: contiguous float32 [T, D / 2]");
-  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, row_stride = qkv.stride(0);
-  TORCH_CHECK(cos.size(0) == T && cos.size(1) == half, "cos/sin: [T, D / 2]");
-  bf16* base = qkv.data_ptr<bf16>();
+  const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2, row_stride = qkv.stride(0);
+  TORCH_CHECK(cos.size(0) == T_ && cos.size(1) == half, "cos/sin: [T, D / 2]");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * half;
-      const float* s = sp + t * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        bf16* x1 = base + t * row_stride + h * D;
-        bf16* x2 = x1 + half;
-        int64_t i = 0;
-        for (; i + BF16Vec::size() <= half; i += BF16Vec::size()) {
-          auto [a0, a1] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(x1 + i));
-          auto [b0, b1] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(x2 + i));
-          FloatVec c0 = FloatVec::loadu(c + i), c1 = FloatVec::loadu(c + i + FloatVec::size());
-          FloatVec s0 = FloatVec::loadu(s + i), s1 = FloatVec::loadu(s + i + FloatVec::size());
-          at::vec::convert_from_float<bf16>(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1).store(x1 + i);
-          at::vec::convert_from_float<bf16>(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1).store(x2 + i);
-        }
-        for (; i < half; ++i) {
-          float a = x1[i], b = x2[i];
-          x1[i] = bf16(a * c[i] - b * s[i]);
-          x2[i] = bf16(b * c[i] + a * s[i]);
+  with_type(qkv, [&](auto type) {
+    using T = decltype(type);
+    T* base = qkv.data_ptr<T>();
+    at::parallel_for(0, T_, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          rotate_head(base + t * row_stride + h * D, cp + t * half, sp + t * half, half);
         }
       }
-    }
+    });
   });
 }
 
@@ -161,37 +256,200 @@ void rope_(torch::Tensor qkv, int64_t heads, torch::Tensor cos, torch::Tensor si
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x's last dimension must be even");
-  const int64_t T = x.size(0), n = x.size(1) / 2;
-  auto out = torch::empty({T, n}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    const FloatVec one(1.f);
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16* gate = xp + t * 2 * n;
-      const bf16* up = gate + n;
-      bf16* o = op + t * n;
-      int64_t i = 0;
-      for (; i + BF16Vec::size() <= n; i += BF16Vec::size()) {
-        auto [g0, g1] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(gate + i));
-        auto [u0, u1] = at::vec::convert_to_float<bf16>(BF16Vec::loadu(up + i));
-        // exp_u20: within 20 ulp of fp32 (Inductor's choice too), far below bf16's rounding of
-        // the result, at about half Sleef's exact exp's cost
-        FloatVec s0 = g0 / (one + g0.neg().exp_u20()), s1 = g1 / (one + g1.neg().exp_u20());
-        at::vec::convert_from_float<bf16>(s0 * u0, s1 * u1).store(o + i);
-      }
-      for (; i < n; ++i) {
-        float g = gate[i];
-        o[i] = bf16(g / (1.f + std::exp(-g)) * float(up[i]));
+  const int64_t n = x.size(1) / 2;
+  auto out = torch::empty({x.size(0), n}, x.options());
+  with_type(x, [&](auto type) {
+    using T = decltype(type);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_and_mul_row(xp + t * 2 * n, op + t * n, n);
+    });
+  });
+  return out;
+}
+
+// --- decode attention over the paged cache ---------------------------------------------------
+
+namespace {
+
+// One row of D cached values as fp32: fp32 rows are read where they lie, bf16 rows widened
+// into `buffer`.
+template <typename T>
+inline const float* row_as_float(const T* row, float* buffer, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < D; i += kStep) {
+      auto [a, b] = load2(row + i);
+      store2(buffer + i, a, b);
+    }
+    return buffer;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  FloatVec acc0(0.f), acc1(0.f);
+  for (int64_t i = 0; i < D; i += kStep) {
+    auto [a0, a1] = load2(a + i);
+    auto [b0, b1] = load2(b + i);
+    acc0 = at::vec::fmadd(a0, b0, acc0);
+    acc1 = at::vec::fmadd(a1, b1, acc1);
+  }
+  return at::vec::vec_reduce_all<float>(
+      [](FloatVec& p, FloatVec& q) { return p + q; }, acc0 + acc1);
+}
+
+// acc[0:D] += p * row
+inline void add_scaled(float* acc, float p, const float* row, int64_t D) {
+  const FloatVec pv(p);
+  for (int64_t i = 0; i < D; i += kStep) {
+    auto [a0, a1] = load2(acc + i);
+    auto [r0, r1] = load2(row + i);
+    store2(acc + i, at::vec::fmadd(r0, pv, a0), at::vec::fmadd(r1, pv, a1));
+  }
+}
+
+// Where a sequence's cache lies: its block table, its length, and the strides of one KV head.
+struct PagedRows {
+  const int32_t* table;
+  int64_t length, block_size, token_stride, block_stride;
+  // the first row of the block that holds `position` (its rows follow token_stride apart)
+  template <typename T>
+  const T* block(const T* head_base, int64_t position) const {
+    return head_base + table[position / block_size] * block_stride;
+  }
+  // Asks for the rows of the block that starts at `start` ahead of their use: blocks lie
+  // anywhere in the cache, where the hardware's prefetcher, which follows strides within a
+  // page, does not look for them.
+  template <typename T>
+  void prefetch_block(const T* head_base, int64_t start, int64_t D) const {
+    if (start >= length) return;
+    const char* first = reinterpret_cast<const char*>(block(head_base, start));
+    const int64_t n = std::min(block_size, length - start), bytes = D * int64_t(sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(first + t * token_stride * int64_t(sizeof(T)) + b);
       }
     }
+  }
+};
+
+// The G query heads that share one KV head, for one sequence: online softmax over the cache's
+// blocks (scores of a block, the running max and sum updated once per block, then the block's
+// values), everything in fp32. q_rows: G rows of D, pre-scaled; out: G rows of D.
+template <typename T>
+void attend_group(const float* q_rows, int64_t G, int64_t D, const T* k_head, const T* v_head,
+                  const PagedRows& rows, T* out) {
+  const int64_t width = (rows.block_size + FloatVec::size() - 1) / FloatVec::size() *
+                        FloatVec::size();
+  std::vector<float> acc(G * D, 0.f), scores(G * width), buffer(D);
+  std::vector<float> running_max(G, -std::numeric_limits<float>::infinity()), sum(G, 0.f);
+  for (int64_t start = 0; start < rows.length; start += rows.block_size) {
+    const int64_t n = std::min(rows.block_size, rows.length - start);
+    const T* k_block = rows.block(k_head, start);
+    const T* v_block = rows.block(v_head, start);
+    rows.prefetch_block(k_head, start + rows.block_size, D);
+    rows.prefetch_block(v_head, start + rows.block_size, D);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = row_as_float(k_block + t * rows.token_stride, buffer.data(), D);
+      for (int64_t g = 0; g < G; ++g) scores[g * width + t] = dot(q_rows + g * D, k, D);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores.data() + g * width;
+      float block_max = s[0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+      const float new_max = std::max(running_max[g], block_max);
+      const float factor = std::exp(running_max[g] - new_max);   // 0 at the first block
+      running_max[g] = new_max;
+      const FloatVec max_vec(new_max);
+      FloatVec total(0.f);
+      for (int64_t t = 0; t < n; t += FloatVec::size()) {
+        const int64_t lanes = std::min<int64_t>(FloatVec::size(), n - t);
+        FloatVec p = (FloatVec::loadu(s + t, lanes) - max_vec).exp();
+        p = FloatVec::set(FloatVec(0.f), p, lanes);             // lanes past the block: 0
+        p.store(s + t);
+        total = total + p;
+      }
+      sum[g] = sum[g] * factor + at::vec::vec_reduce_all<float>(
+          [](FloatVec& p, FloatVec& q) { return p + q; }, total);
+      if (factor != 1.f) {
+        for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= factor;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = row_as_float(v_block + t * rows.token_stride, buffer.data(), D);
+      for (int64_t g = 0; g < G; ++g) add_scaled(acc.data() + g * D, scores[g * width + t], v, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inverse = sum[g] > 0.f ? 1.f / sum[g] : 0.f;    // no cached token: zeros
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = T(acc[g * D + i] * inverse);
+  }
+}
+
+}  // namespace
+
+// One new token per sequence attends to its seq_lens[s] cached tokens, read in place from the
+// paged cache (no gathered copy: the gather wrote and re-read every cached row, which at batch 32
+// and 1,024 tokens of SmolLM2 in fp32 was most of a decode step). q [S, H, D] (heads dense, any
+// row stride), k_cache/v_cache [blocks, block_size, Hkv, D] of q's dtype, block_tables [S, *]
+// int32, seq_lens [S] int32; H a multiple of Hkv (query head h reads KV head h / (H / Hkv)).
+// Returns [S, H, D] of q's dtype; a sequence with nothing cached gets zeros.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: [S, H, D] with dense heads");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "k_cache/v_cache: contiguous [blocks, block_size, Hkv, D] of q's dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && seq_lens.scalar_type() == torch::kInt &&
+                  seq_lens.is_contiguous(),
+              "block_tables [S, *] and seq_lens [S]: contiguous int32");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "q's heads must be a multiple of the cache's");
+  TORCH_CHECK(D % kStep == 0, "head_dim must be a multiple of ", kStep);
+  TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "one table and length per sequence");
+  const int64_t G = H / Hkv, block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= max_blocks * block_size,
+                "seq_lens[", s, "] does not fit its block table");
+  }
+  auto out = torch::empty({S, H, D}, q.options());
+  with_type(q, [&](auto type) {
+    using T = decltype(type);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q_rows(G * D);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / Hkv, j = task % Hkv;
+        const T* q_head = qp + s * q.stride(0) + j * G * D;
+        for (int64_t i = 0; i < G * D; ++i) q_rows[i] = float(q_head[i]) * float(scale);
+        PagedRows rows{tables + s * max_blocks, lens[s], block_size, Hkv * D, block_size * Hkv * D};
+        attend_group(q_rows.data(), G, D, kp + j * D, vp + j * D, rows, op + (s * H + j * G) * D);
+      }
+    });
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
   m.def("rope_", &rope_, "rotary embedding in place (rotate_half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence over its paged KV cache, read in place");
+  m.attr("VECTOR_STEP") = kStep;   // head_dim must be a multiple of it
 }

@@ -1,17 +1,19 @@
 """The decoder's elementwise steps — RMSNorm, the residual add with the next norm, rotary
-embedding, SwiGLU's silu-and-multiply — fused for bf16 on a CPU, PyTorch operators elsewhere.
+embedding, SwiGLU's silu-and-multiply — fused on a CPU (fp32 and bf16), and decode attention
+reading the paged KV cache in place; PyTorch operators elsewhere.
 
 Between its matrix products a layer runs a dozen elementwise operators; in PyTorch each is a
 pass over the activations with its own bf16 <-> fp32 conversions and dispatch. cpu_ops.cpp does
-each step in one pass (fp32 inside, one rounding to bf16). Measured on one core (Xeon with AMX,
-SmolLM2's 576-wide rows): RMSNorm of 512 rows 312 -> 83 us, of one row 18 -> 1.5 us.
+each step in one pass (fp32 inside, one rounding to the activations' dtype). Measured on one
+core (Xeon with AMX, SmolLM2's 576-wide rows, bf16): RMSNorm of 512 rows 312 -> 83 us, of one
+row 18 -> 1.5 us. Decode attention without the gathered copy of every cached row: see
+paged_decode_attention below.
 
-The extension is compiled the first time a bf16 model is prepared for a CPU (torch's C++
-extension builder with ninja and the system's C++ compiler, ~25 s) and kept under the cache
-directory (`$PREFIXGATE_CACHE`, default ~/.cache/prefixgate) for later starts. Without a
-compiler, where the build fails, or with PREFIXGATE_CPU_OPS=0, the functions below run as
-PyTorch operators, with one warning. fp32 (the parity tests' dtype) and GPUs always do; their
-results are what they were before this module existed.
+The extension is compiled the first time a model is prepared for a CPU (torch's C++ extension
+builder with ninja and the system's C++ compiler, ~30 s) and kept under the cache directory
+(`$PREFIXGATE_CACHE`, default ~/.cache/prefixgate) for later starts. Without a compiler, where
+the build fails, or with PREFIXGATE_CPU_OPS=0, the functions below run as PyTorch operators,
+with one warning; GPUs always do.
 """
 from __future__ import annotations
 
@@ -52,10 +54,13 @@ def available() -> bool:
     return bool(_ops)
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def uses_fused(x: torch.Tensor) -> bool:
-    """Whether `x`'s steps go through the compiled operators: bf16 on a CPU, once loaded
-    (prepare_for_inference loads them; until then, and after a failed build, never)."""
-    return bool(_ops) and not _plain and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    """Whether `x`'s steps go through the compiled operators: fp32 or bf16 on a CPU, once
+    loaded (prepare_for_inference loads them; until then, and after a failed build, never)."""
+    return bool(_ops) and not _plain and x.dtype in DTYPES and x.device.type == "cpu"
 
 
 @contextlib.contextmanager
@@ -143,6 +148,23 @@ def rope_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -
     rotated_1, rotated_2 = x1 * c - x2 * s, x2 * c + x1 * s
     x1.copy_(rotated_1)
     x2.copy_(rotated_2)
+
+
+def decodes_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes these queries over this cache: a CPU cache of q's
+    dtype (no FP8 scales), head_dim a multiple of the vector step (64 and 128 are)."""
+    return (uses_fused(q) and k_cache.dtype == q.dtype
+            and q.shape[-1] % _ops.VECTOR_STEP == 0)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """q [S, H, D]: each sequence's one new token over its seq_lens[s] cached tokens, read
+    where they lie in the paged cache [blocks, block_size, Hkv, D] (decodes_in_place must hold).
+    The reference gathers every cached row into a new tensor first and hands it to SDPA: at
+    batch 32 and 1,024 tokens (SmolLM2, fp32, one core) that copy and SDPA's one-query path took
+    most of the step."""
+    return _ops.paged_decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(),
+                                       scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The fused elementwise operators for bf16 on a CPU (backend/cpu_ops.py, cpu_ops.cpp): each
-computes what its PyTorch definition does, a model gives the same logits through them, and
-without them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
+"""The compiled CPU operators (backend/cpu_ops.py, cpu_ops.cpp), fp32 and bf16: each
+elementwise step computes what its PyTorch definition does, decode attention over the paged
+cache what the gathering reference does, a model gives the same logits through them, and without
+them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from prefixgate.backend import cpu_linear, cpu_ops
 from prefixgate.backend.loader import cpu_flags, load_model
+from prefixgate.kernels.decode_attention_ref import decode_attention_ref
 from tests.engine.test_cpu_linear import assert_same_bf16_logits, logits_of
 from tests.helpers import make_tiny_model
 
@@ -60,6 +62,82 @@ def test_add_rms_norm_adds_in_place_and_normalizes_the_sum(ops, width):
 
 
 @needs_compiler
+def test_fp32_steps_compute_their_pytorch_definitions(ops):
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(7, 576, generator=g) * 3, torch.randn(7, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    with cpu_ops.plain():
+        expected_norm = cpu_ops.rms_norm(x, weight, 1e-5)
+        expected_sum = residual + x
+        expected_added = cpu_ops.rms_norm(expected_sum, weight, 1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected_norm)
+    torch.testing.assert_close(ops.add_rms_norm(x, residual, weight, 1e-5), expected_added)
+    assert torch.equal(residual, expected_sum)
+    gate_up = torch.randn(5, 3072, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    qkv = torch.randn(3, 8, 64, generator=g)
+    angles = torch.arange(3)[:, None] * torch.rand(32, generator=g)[None]
+    expected_qkv = qkv.clone()
+    with cpu_ops.plain():
+        cpu_ops.rope_(expected_qkv, 6, angles.cos(), angles.sin())
+    ops.rope_(qkv, 6, angles.cos(), angles.sin())
+    torch.testing.assert_close(qkv, expected_qkv)
+
+
+def paged(lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype, block: int = 16):
+    """A paged cache holding sequences of `lens` tokens in shuffled blocks (as a busy engine
+    leaves them), their block tables, and one query per sequence, a view into a qkv row as the
+    model passes it."""
+    g = torch.Generator().manual_seed(len(lens))
+    pages = max(-(-n // block) for n in lens) + 1
+    blocks = len(lens) * pages + 3
+    k_cache = torch.randn(blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(blocks, generator=g)[:len(lens) * pages].view(len(lens), pages)
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    return (qkv[:, :heads], k_cache, v_cache, tables.int().contiguous(),
+            torch.tensor(lens, dtype=torch.int32))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
+    ([1024], 9, 3, 64),                     # SmolLM2's heads, one long sequence
+    ([37, 1, 0, 16, 17, 300], 8, 2, 64),    # ragged: a partial block, one token, nothing cached
+    ([5, 70], 4, 4, 128),                   # no grouping, a wider head
+])
+def test_decode_attention_reads_the_paged_cache_in_place_as_the_reference_does(
+        ops, dtype, lens, heads, kv_heads, head_dim):
+    q, k_cache, v_cache, tables, seq_lens = paged(lens, heads, kv_heads, head_dim, dtype)
+    expected = decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    else:                   # both accumulate in fp32 and round once: one bf16 step apart at most
+        torch.testing.assert_close(got.float(), expected.float(), atol=2 ** -8, rtol=2 ** -7)
+    assert not got[torch.tensor(lens) == 0].any()       # nothing cached: zeros, not NaN
+
+
+@needs_compiler
+def test_decode_attention_refuses_what_it_cannot_read(ops):
+    q, k_cache, v_cache, tables, seq_lens = paged([20], 4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens + 10_000, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables.long(), seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="q's dtype"):
+        ops.paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, seq_lens,
+                                   0.125)
+    odd = torch.zeros(1, 4, 20)
+    assert not cpu_ops.decodes_in_place(odd, torch.zeros(2, 16, 2, 20))   # the reference takes it
+    with pytest.raises(RuntimeError, match="multiple"):
+        ops.paged_decode_attention(odd, torch.zeros(2, 16, 2, 20), torch.zeros(2, 16, 2, 20),
+                                   tables, seq_lens, 0.125)
+
+
+@needs_compiler
 @pytest.mark.parametrize("head_dim", [64, 20])
 def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, head_dim):
     rows, heads, kv_heads = 5, 4, 2
@@ -85,21 +163,30 @@ def test_silu_and_mul_is_swiglu(ops, width):
 
 @needs_compiler
 def test_bad_input_is_an_error_not_a_crash(ops):
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.rms_norm(bf16(2, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.silu_and_mul(bf16(4, 8).t())
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_model_gives_the_same_logits_through_the_fused_operators(ops, tmp_path, arch):
-    model, config = load_model(make_tiny_model(tmp_path, arch), dtype="bfloat16")
+def test_a_model_gives_the_same_logits_through_the_compiled_operators(ops, tmp_path, arch, dtype):
+    # head_dim 64: decode attention runs in place too
+    model_dir = make_tiny_model(tmp_path, arch, hidden_size=256, num_attention_heads=4)
+    model, config = load_model(model_dir, dtype=dtype)
+    assert config.head_dim % ops.VECTOR_STEP == 0
     cpu_linear.prepare_for_inference(model)
     with cpu_ops.plain():
-        expected = logits_of(model, config, torch.bfloat16)
-    for a, b in zip(expected, logits_of(model, config, torch.bfloat16), strict=True):
-        assert_same_bf16_logits(a, b)
+        expected = logits_of(model, config, dtype)
+    for a, b in zip(expected, logits_of(model, config, dtype), strict=True):
+        if dtype == torch.bfloat16:
+            assert_same_bf16_logits(a, b)
+        else:
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
 
 
 SERVE_ONE = """
