@@ -1,4 +1,5 @@
-"""Linear layers for CPU inference with their weights prepacked once for oneDNN.
+"""Linear layers for CPU inference: bf16 weights prepacked once for oneDNN, fp32 ones left
+plain with a decode step's few rows multiplied by cpu_ops' kernel.
 
 A plain `F.linear` hands oneDNN (or MKL) a row-major weight on every call, and the library
 re-lays it out into its blocked format each time; for the small matrix products of decoding
@@ -8,8 +9,9 @@ vLLM's CPU path and Inductor's freezing do too). Measured on one core (Xeon with
 576 x 1,536): 0.16 -> 0.08 ms at one token, 0.12 -> 0.06 ms at eight, 0.66 -> 0.60 ms at 512.
 
 Packing replaces the model's `nn.Linear` modules (their plain weights go) and gives the model a
-packed output head; a tied head is a packed copy of the embedding, which the lookup still needs
-in plain form (the one weight held twice: vocab x hidden, 56 MB for SmolLM2 in bf16).
+packed output head (`cpu_head`); a tied head is a packed copy of the embedding, which the lookup
+still needs in plain form (the one weight held twice: vocab x hidden, 56 MB for SmolLM2 in bf16).
+In fp32 (packed, oneDNN was slower here) FewRowsLinear takes each layer's weight as it is.
 """
 from __future__ import annotations
 
@@ -29,6 +31,24 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
         return False
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class FewRowsLinear(nn.Module):
+    """An fp32 linear layer whose products of a decode step's few rows go through cpu_ops'
+    kernel (MKL's sgemm reads the weight at a third of the memory's speed for 4 to 8 rows);
+    the same weight, not a copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, few rows"
 
 
 class PackedLinear(nn.Module):
@@ -53,24 +73,35 @@ def pack_linears(model: nn.Module) -> int:
     embedding = model.model.embed_tokens.weight
     if not can_pack(embedding.dtype, embedding.device):
         return 0
-    packed = 0
+    return _replace_linears(model, PackedLinear)
+
+
+def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> int:
+    """Every `nn.Linear` of `model` made `layer(weight, bias)`, and a tied head too (as the
+    model's cpu_head); returns how many."""
+    replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
-                packed += 1
+                setattr(module, name, layer(child.weight, child.bias))
+                replaced += 1
     if model.lm_head is None:
-        model.packed_head = PackedLinear(embedding, None)
-        packed += 1
-    return packed
+        model.cpu_head = layer(model.model.embed_tokens.weight, None)
+        replaced += 1
+    return replaced
 
 
 def prepare_for_inference(model: nn.Module) -> int:
-    """After loading: fuse the model's projections (every device and dtype) and, on CPU where
-    oneDNN can, pack its linear layers and load the fused elementwise operators
-    (backend/cpu_ops.py); returns how many linears were packed."""
+    """After loading: fuse the model's projections (every device and dtype) and, on CPU, load
+    the compiled operators (backend/cpu_ops.py) and pack its linear layers where oneDNN can (bf16),
+    else route fp32 decode steps' products through the few-rows kernel; returns how many linears
+    were packed."""
     model.fuse_projections()
     weight = model.model.embed_tokens.weight
-    if weight.dtype in cpu_ops.DTYPES and weight.device.type == "cpu":
-        cpu_ops.load(cpu_flags())
-    return pack_linears(model)
+    if weight.device.type != "cpu" or weight.dtype not in cpu_ops.DTYPES:
+        return 0
+    cpu_ops.load(cpu_flags())
+    packed = pack_linears(model)
+    if not packed and weight.dtype == torch.float32 and cpu_ops.available():
+        _replace_linears(model, FewRowsLinear)
+    return packed

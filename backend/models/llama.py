@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
-        self.packed_head: nn.Module | None = None   # a tied head packed (backend/cpu_linear.py)
+        self.cpu_head: nn.Module | None = None   # a tied head as prepared for a CPU (cpu_linear.py)
 
     def forward(
         self,
@@ -295,8 +295,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
-            return self.packed_head(hidden).float()
+        if self.cpu_head is not None:
+            return self.cpu_head(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixgate.backend import cpu_linear
+from prefixgate.backend import cpu_linear, cpu_ops
 from prefixgate.backend.config import EngineArgs
 from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.loader import (
@@ -85,7 +85,7 @@ def test_a_packed_model_gives_the_logits_of_the_plain_one(model_dir):
     count = cpu_linear.prepare_for_inference(packed)
     linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
     assert linears == [] and count == 4 * config.num_hidden_layers + 1  # layers' four + the head
-    assert packed.packed_head is not None or packed.lm_head is not None
+    assert packed.cpu_head is not None or packed.lm_head is not None
     for a, b in zip(logits_of(plain, config, torch.bfloat16),
                     logits_of(packed, config, torch.bfloat16), strict=True):
         assert_same_bf16_logits(a, b)
@@ -94,7 +94,11 @@ def test_a_packed_model_gives_the_logits_of_the_plain_one(model_dir):
 def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
     model, _ = load_model(model_dir, dtype="float32")
     assert cpu_linear.prepare_for_inference(model) == 0
-    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
+    if cpu_ops.available():     # a decode step's products through the few-rows kernel, same weights
+        layers = [m for m in model.modules() if isinstance(m, cpu_linear.FewRowsLinear)]
+        assert layers and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert {m.weight.data_ptr() for m in layers} <= {p.data_ptr() for p in model.parameters()}
     assert not cpu_linear.can_pack(torch.float16, CPU)
     assert not cpu_linear.can_pack(torch.bfloat16, torch.device("cuda"))
 

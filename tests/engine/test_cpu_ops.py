@@ -138,6 +138,32 @@ def test_decode_attention_refuses_what_it_cannot_read(ops):
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 13), (1536, 4)])
+def test_few_rows_linear_is_f_linear(ops, rows, in_features, out_features):
+    # 70 and 13: a vector's and a tile's tails; 4: one tile, nothing to prefetch beyond it
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    torch.testing.assert_close(ops.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_ops.linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_few_rows_linear_refuses_what_it_cannot_multiply(ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.few_rows_linear(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match="at least 4 rows"):
+        ops.few_rows_linear(torch.zeros(2, 8), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.few_rows_linear(torch.zeros(8, 2).t(), torch.zeros(4, 8))
+    x, narrow = torch.randn(3, 8), torch.randn(3, 8)            # F.linear takes the narrow one
+    torch.testing.assert_close(cpu_ops.linear(x, narrow), F.linear(x, narrow))
+
+
+@needs_compiler
 @pytest.mark.parametrize("head_dim", [64, 20])
 def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, head_dim):
     rows, heads, kv_heads = 5, 4, 2
