@@ -178,7 +178,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, with an fp32 product of a decode step's few rows through the compiled kernel
     (the weight read from memory once for all rows)."""
     if (uses_fused(x) and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] in FEW_ROWS and weight.shape[0] >= 4):
+            and x.shape[0] in FEW_ROWS and weight.shape[0] >= 4 and weight.is_contiguous()):
         return _ops.few_rows_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
