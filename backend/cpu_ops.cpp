@@ -121,12 +121,8 @@ void normalize_row(const T* row, const T* weight, float inverse_rms, T* out, int
 }
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* row = x + t * n;
-    float inverse_rms = 1.f / std::sqrt(sum_of_squares(row, n) / n + eps);
-    normalize_row(row, weight, inverse_rms, out + t * n, n);
-  }
+void rms_norm_row(const T* row, const T* weight, T* out, int64_t n, float eps) {
+  normalize_row(row, weight, 1.f / std::sqrt(sum_of_squares(row, n) / n + eps), out, n);
 }
 
 template <typename T>
@@ -178,23 +174,38 @@ void silu_and_mul_row(const T* gate, T* out, int64_t n) {
 
 }  // namespace
 
-// RMSNorm of each row of x [T, H] with weight [H].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "x");
-  check_weight(weight, x);
-  auto out = torch::empty_like(x);
+namespace {
+
+// RMSNorm of each row of `rows` [T, H] with weight [H]; where `add` is given (x's shape and
+// dtype), rows += add first, in place, row by row in the same pass.
+torch::Tensor normalize(torch::Tensor rows, const torch::Tensor* add, const torch::Tensor& weight,
+                        double eps) {
+  check_weight(weight, rows);
+  auto out = torch::empty_like(rows);
   auto w = weight.contiguous();
-  const int64_t n = x.size(1);
-  with_type(x, [&](auto type) {
+  const int64_t n = rows.size(1);
+  with_type(rows, [&](auto type) {
     using T = decltype(type);
-    const T* xp = x.data_ptr<T>();
+    T* rp = rows.data_ptr<T>();
+    const T* ap = add ? add->data_ptr<T>() : nullptr;
     const T* wp = w.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
-      rms_norm_rows(xp + begin * n, wp, op + begin * n, end - begin, n, float(eps));
+    at::parallel_for(0, rows.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (ap) add_rows(rp + t * n, ap + t * n, n);
+        rms_norm_row(rp + t * n, wp, op + t * n, n, float(eps));
+      }
     });
   });
   return out;
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [T, H] with weight [H].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  return normalize(x, nullptr, weight, eps);
 }
 
 // residual += x (rounded to the dtype, as `residual + x` is), then RMSNorm of the sum: the
@@ -206,24 +217,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual must have one shape and dtype");
-  check_weight(weight, x);
-  auto out = torch::empty_like(x);
-  auto w = weight.contiguous();
-  const int64_t n = x.size(1);
-  with_type(x, [&](auto type) {
-    using T = decltype(type);
-    const T* xp = x.data_ptr<T>();
-    T* rp = residual.data_ptr<T>();
-    const T* wp = w.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        add_rows(rp + t * n, xp + t * n, n);
-        rms_norm_rows(rp + t * n, wp, op + t * n, 1, n, float(eps));
-      }
-    });
-  });
-  return out;
+  return normalize(residual, &x, weight, eps);
 }
 
 // Rotary embedding in place, Hugging Face's rotate_half layout: the first `heads` heads of

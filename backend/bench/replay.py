@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from prefixgate.backend.bench.script import run_report_save
+from prefixgate.backend.bench.script import add_dtype_arg, run_report_save
 from prefixgate.backend.bench.vocab import MODEL_HELP
 from prefixgate.backend.config import EngineArgs
 from prefixgate.backend.engine import LLMEngine
@@ -127,8 +127,7 @@ def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.replay",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default="demo", help=MODEL_HELP)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="default: the engine's (bf16 where the CPU multiplies it natively)")
+    add_dtype_arg(p)
     p.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--input-len", type=int, default=1024)

@@ -11,6 +11,12 @@ from pathlib import Path
 THREADS_HELP = "torch CPU threads for the engine (and transformers) (default: torch's)"
 
 
+def add_dtype_arg(parser) -> None:
+    """`--dtype`: float32 or bfloat16, default the engine's own choice (loader.serving_dtype)."""
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="default: the engine's (bf16 where the CPU multiplies it natively)")
+
+
 def int_list(text: str) -> list[int]:
     """An argparse type: `1,8,32` -> [1, 8, 32]."""
     return [int(x) for x in text.split(",")]

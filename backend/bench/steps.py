@@ -19,7 +19,7 @@ import torch
 
 from prefixgate.backend.attention import AttentionMetadata
 from prefixgate.backend.bench import limits as probe
-from prefixgate.backend.bench.script import int_list, run_report_save
+from prefixgate.backend.bench.script import add_dtype_arg, int_list, run_report_save
 from prefixgate.backend.bench.vocab import MODEL_HELP
 from prefixgate.backend.config import resolve_model
 from prefixgate.backend.cpu_linear import prepare_for_inference
@@ -106,8 +106,7 @@ def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="python -m prefixgate.backend.bench.steps",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="default: the engine's (bf16 where the CPU multiplies it natively)")
+    add_dtype_arg(p)
     p.add_argument("--plain", action="store_true",
                    help="the model as loaded: projections not fused, linears not prepacked")
     p.add_argument("--prefill-tokens", type=int_list, default=[512, 2400])
