@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from prefixgate.common.cache_root import cache_root
 
@@ -82,20 +83,36 @@ def _build(cpu_flags: frozenset[str]):
     from torch.utils import cpp_extension
 
     capability, cflags = _instruction_set(cpu_flags)
-    version = torch.__version__.replace("+", "_").replace(".", "_")
-    build_dir = cache_root() / "cpu_ops" / f"torch_{version}_{capability.lower()}"
     _put_ninja_on_path()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
+        source = _source_in_build_dir(capability)
         return cpp_extension.load(
-            f"prefixgate_cpu_ops_{capability.lower()}", [str(SOURCE)], verbose=False,
-            build_directory=str(build_dir),
+            f"prefixgate_cpu_ops_{capability.lower()}", [str(source)], verbose=False,
+            build_directory=str(source.parent),
             extra_cflags=["-O3", f"-DCPU_CAPABILITY={capability}",
                           f"-DCPU_CAPABILITY_{capability}", *cflags])
     except Exception as e:      # no compiler, no ninja, no headers: plain PyTorch still serves
         log.warning("fused CPU operators unavailable, using PyTorch's (slower): %s",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+def _source_in_build_dir(capability: str) -> Path:
+    """A copy of cpu_ops.cpp in the build folder of its content, torch and instruction set.
+    The builder rebuilds whenever the source's path changes; compiled from the copy, every
+    install of the same source (a checkout, a wheel, a test's clone) shares one build, and a
+    changed source gets a folder of its own instead of rebuilding another's."""
+    text = SOURCE.read_bytes()
+    version = torch.__version__.replace("+", "_").replace(".", "_")
+    build_dir = (cache_root() / "cpu_ops" /
+                 f"torch_{version}_{capability.lower()}_{xxhash.xxh64_hexdigest(text)[:12]}")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    copy = build_dir / SOURCE.name
+    if not copy.is_file() or copy.read_bytes() != text:
+        staged = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        staged.write_bytes(text)
+        staged.replace(copy)        # atomic: a concurrent build never reads half a file
+    return copy
 
 
 def _instruction_set(flags: frozenset[str]) -> tuple[str, list[str]]:
