@@ -155,11 +155,12 @@ class VLLMServer:
             process.stop(timeout)
 
 
-def core_sets(n: int, cores: int | None = None) -> list[str]:
-    """VLLM_CPU_OMP_THREADS_BIND per server: the machine's cores shared out in turn (two
-    servers on two cores: "0" and "1")."""
-    cores = cores or len(os.sched_getaffinity(0))
-    return [str(i % cores) for i in range(n)]
+def core_sets(n: int) -> list[str]:
+    """VLLM_CPU_OMP_THREADS_BIND per server: the cores this process may use, shared out in
+    turn (two servers on cores {2, 3}: "2" and "3"; a container's cores need not start at 0,
+    and a bind outside them would leave the server's threads where the kernel puts them)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return [str(allowed[i % len(allowed)]) for i in range(n)]
 
 
 @contextlib.contextmanager
