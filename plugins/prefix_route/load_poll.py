@@ -78,7 +78,9 @@ class LoadPoller:
                  path: str = "/metrics"):
         self.gw = gw
         self.interval_s = interval_s
-        self.timeout_s = timeout_s or max(interval_s, 0.5)
+        # a CPU server's API process shares its cores with the engine: its /metrics can take
+        # most of a second while it prefills, and that is no reason to forget its load
+        self.timeout_s = timeout_s or max(interval_s, 1.0)
         self.stale_after_s = 3 * interval_s + self.timeout_s
         self.path = path
         self.samples: dict[str, Sample] = {}

@@ -35,7 +35,7 @@ def idle_since(poller, name: str, since: float):
 async def test_load_is_polled_from_vllm_metrics(vllm_pair, make_gateway):
     # least_inflight decides; prefix_route only polls (its own say made negligible)
     gw = await make_gateway({"upstreams": upstreams(vllm_pair, max_inflight=4), "plugins": [
-        {"prefix_route": {"poll_metrics_s": 0.2, "weight": 0.001}}, {"least_inflight": {}}]})
+        {"prefix_route": {"poll_metrics_s": 0.5, "weight": 0.001}}, {"least_inflight": {}}]})
     poller = poller_of(gw)
     busy = {"model": SERVED_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
@@ -51,7 +51,9 @@ async def test_load_is_polled_from_vllm_metrics(vllm_pair, make_gateway):
                 answer = await send(client, gw.url, "/v1/chat/completions",
                                     {**CHAT, "max_tokens": 1})
                 assert answer.status == 200
-                assert answer.headers["x-prefixgate-upstream"] == "vllm1"
+                assert answer.headers["x-prefixgate-upstream"] == "vllm1", {
+                    name: (s.running, s.waiting, round(time.monotonic() - s.t, 2))
+                    for name, s in poller.samples.items()}
                 # vLLM's gauges come from its last step, so they may still count a request
                 # that has ended here: route the next one on a sample taken once they caught up
                 await wait_for(idle_since(poller, "vllm1", time.monotonic()), what="vllm1 idle")
