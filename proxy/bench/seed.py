@@ -34,6 +34,7 @@ fixes also drain the queue the baseline builds, as they did in the published exp
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import sys
@@ -308,6 +309,7 @@ async def run_stage(stage: Stage, w: Workload, prompts: SeedPrompts, timeout: fl
             primed = await target.measure(session, url + "/v1/chat/completions", {}, body,
                                           requests=0, warmup=prime, concurrency=w.concurrency,
                                           label=f"{stage.name} (prime)")
+            await kv_events_settled(session, url)
             samples = await target.measure(
                 session, url + "/v1/chat/completions", {},
                 lambda i: body(i, offset + prime), requests=w.requests,
@@ -355,6 +357,22 @@ def stage_cell(stage: Stage, w: Workload, runs: list[dict], slo_s: float,
             for k, v in part.items():
                 total[k] = total.get(k, 0.0) + v
     return cell
+
+
+async def kv_events_settled(session, url: str, quiet_s: float = 0.3,
+                            limit_s: float = 10.0) -> None:
+    """Until the router's count of KV-event batches holds still for `quiet_s` (at most
+    `limit_s`): the engines publish the primes' blocks as they store them, and a user that
+    starts before the router applied them is routed as if the cache were cold. A router that
+    reads no events holds still at once."""
+    loop = asyncio.get_running_loop()
+    deadline, last = loop.time() + limit_s, None
+    while loop.time() < deadline:
+        now = kv_event_stats(await archive_mod.snapshot(session, url, "/metrics", {}))
+        if now == last:
+            return
+        last = now
+        await asyncio.sleep(quiet_s)
 
 
 def route_decisions(text: str | None) -> dict[str, float]:
