@@ -98,14 +98,15 @@ def _build(cpu_flags: frozenset[str]):
 
 
 def _source_in_build_dir(capability: str) -> Path:
-    """A copy of cpu_ops.cpp in the build folder of its content, torch and instruction set.
-    The builder rebuilds whenever the source's path changes; compiled from the copy, every
-    install of the same source (a checkout, a wheel, a test's clone) shares one build, and a
-    changed source gets a folder of its own instead of rebuilding another's."""
+    """A copy of cpu_ops.cpp in the build folder of its content, torch install and instruction
+    set. The builder rebuilds whenever the source's path or its headers' path changes; compiled
+    from the copy, every install of the same source (a checkout, a wheel, a test's clone) over
+    one torch shares one build, and a changed source or another environment's torch gets a
+    folder of its own instead of rebuilding another's."""
     text = SOURCE.read_bytes()
     version = torch.__version__.replace("+", "_").replace(".", "_")
-    build_dir = (cache_root() / "cpu_ops" /
-                 f"torch_{version}_{capability.lower()}_{xxhash.xxh64_hexdigest(text)[:12]}")
+    key = xxhash.xxh64_hexdigest(text + os.path.dirname(torch.__file__).encode())[:12]
+    build_dir = cache_root() / "cpu_ops" / f"torch_{version}_{capability.lower()}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     copy = build_dir / SOURCE.name
     if not copy.is_file() or copy.read_bytes() != text:
