@@ -77,6 +77,7 @@ def vllm_pair(tmp_path_factory, lora_adapter):
 
 
 LOG_TAIL_LINES = 40
+HEALTH_POLLS = ('"GET /health HTTP/1.1" 200 OK', '"GET /v1/models HTTP/1.1" 200 OK')
 
 
 @pytest.hookimpl(wrapper=True)
@@ -89,7 +90,8 @@ def pytest_runtest_makereport(item, call):
     if report.failed and servers:
         for i, server in enumerate(servers):
             if server.log_path and server.log_path.is_file():
-                lines = server.log_path.read_text(errors="replace").splitlines()
+                lines = [line for line in server.log_path.read_text(errors="replace")
+                         .splitlines() if not line.endswith(HEALTH_POLLS)]
                 report.sections.append((f"vllm{i} log, last {LOG_TAIL_LINES} lines",
                                         "\n".join(lines[-LOG_TAIL_LINES:])))
     return report
