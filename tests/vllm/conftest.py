@@ -61,7 +61,7 @@ def vllm_pair(tmp_path_factory, lora_adapter):
     tool parser), each bound to a core of its own. Without a KV connector: vLLM's
     NixlConnector on a CPU pins every server's worker thread to the machine's last core, where
     it spins between steps, so two such servers slow each other (and everything else) several
-    fold; the P/D tests start a NIXL pair of their own (test_pd_vllm.py)."""
+    fold; the P/D tests start a NIXL pair of their own (`nixl_pair`)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     # vLLM keeps no responses without the store switch, so previous_response_id would fail
     with vllm_servers(2, served_model_name=SERVED_NAME, log_dir=logs,
@@ -73,6 +73,17 @@ def vllm_pair(tmp_path_factory, lora_adapter):
             "--enable-scale-out",
             # the seed benchmark's requests carry tools (tests/vllm/test_bench_seed_vllm.py)
             "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(tmp_path_factory):
+    """Two vLLM servers that can each take either leg of a P/D pair (NixlConnector), for the
+    module that asks (test_pd_vllm.py) and stopped after it."""
+    with vllm_servers(2, served_model_name=SERVED_NAME, nixl=True,
+                      log_dir=tmp_path_factory.mktemp("nixl-logs"), args=[
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", str(KV_BLOCKS)]) as servers:
         yield servers
 
 

