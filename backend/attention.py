@@ -3,8 +3,8 @@
 The model never knows how the KV cache is laid out beyond "write these slots, then attend over
 these block tables"; the kernels (Triton on CUDA, plain PyTorch on CPU) live in
 `prefixgate.kernels` and are chosen by `AttentionMetadata.attention_backend`. On a CPU with the
-compiled operators loaded, the default backend decodes through backend/cpu_ops.py, which reads
-the paged cache in place ("torch" still forces the reference).
+compiled operators loaded, the default backend writes the cache and decodes through
+backend/cpu_ops.py, which reads the paged cache in place ("torch" still forces the reference).
 """
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def paged_attention(
     backend = meta.attention_backend
     if meta.kv_mantissa_bits is not None:
         k, v = round_mantissa(k, meta.kv_mantissa_bits), round_mantissa(v, meta.kv_mantissa_bits)
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
+    if backend in (None, "auto") and cpu_ops.writes_kv(k, k_cache):
+        cpu_ops.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
     if meta.is_decode:
         if backend in (None, "auto") and cpu_ops.decodes_in_place(q, k_cache):
             return cpu_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,

@@ -6,7 +6,9 @@
 // conversions and its own dispatch. On one core (Xeon with AMX, SmolLM2, 512 tokens) they took
 // ~1.9 ms per layer in bf16, as much as a third of a prefill chunk. Here each is one pass:
 // values are widened to fp32 once, computed, and rounded to the activations' dtype once.
-// Decode attention reads the paged KV cache where it lies (see paged_decode_attention).
+// Decode attention reads the paged KV cache where it lies (see paged_decode_attention), new keys
+// and values are stored in it by one copy per row (write_kv_), and a decode step's few rows are
+// multiplied with the weight read once for all of them (few_rows_linear, fp32 and bf16).
 //
 // Every elementwise function takes contiguous rows ([T, H]: T tokens) of fp32 or bf16 except
 // where said, and spreads the rows over torch's intra-op threads.
@@ -16,7 +18,10 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -439,6 +444,45 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   return out;
 }
 
+// --- the KV cache's scatter -------------------------------------------------------------------
+
+// k and v [T, Hkv, D] (heads dense, any row stride) stored at their flat slots of the paged
+// caches [blocks, block_size, Hkv, D] (slot = block * block_size + offset; negative: skipped, a
+// padded row). In PyTorch (kernels/write_kv_ref.py) this was a dozen operators per layer, a
+// check of the slots and two index_put, ~60 us of a decode step's layer; here one copy per row.
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+               torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache/v_cache: contiguous [blocks, block_size, Hkv, D] alike");
+  const int64_t Hkv = k_cache.size(2), D = k_cache.size(3), row = Hkv * D;
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  for (const auto* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 &&
+                    x->stride(1) == D && x->scalar_type() == k_cache.scalar_type(),
+                "k/v: [T, Hkv, D] with dense heads, of the cache's dtype");
+  }
+  TORCH_CHECK(v.size(0) == k.size(0) && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == k.size(0) && slot_mapping.is_contiguous(),
+              "one slot per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong || slot_mapping.scalar_type() == torch::kInt,
+              "slot_mapping must be int64 or int32");
+  const int64_t T = k.size(0), bytes = row * k.element_size();
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const bool wide = slot_mapping.scalar_type() == torch::kLong;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = wide ? slot_mapping.data_ptr<int64_t>()[t] : slot_mapping.data_ptr<int32_t>()[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < slots, "slot ", slot, " is past the cache's ", slots);
+    std::memcpy(kc + slot * bytes, kp + t * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(vc + slot * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
 // --- fp32 products of a few rows ---------------------------------------------------------------
 
 namespace {
@@ -545,6 +589,158 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
   return y;
 }
 
+// --- bf16 products of a few rows (AVX-512) ----------------------------------------------------
+
+#ifdef CPU_CAPABILITY_AVX512
+namespace {
+
+constexpr int64_t kBF16PerLine = 32;     // bf16 per 64-byte line of the weight: one step
+
+// The totals of 16 vectors' lanes as one vector (lane i: the sum of v[i]'s lanes), by a tree of
+// 15 adds over shuffled halves instead of 16 separate reductions.
+inline __m512 reduce_16(const __m512 v[16]) {
+  __m512 halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i) {     // 128-bit lanes: v[2i]'s in 0-1, v[2i + 1]'s in 2-3
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {     // 128-bit lane j: four partial sums of v[4i + j]
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                   _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                    _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  // element 4q + p: the total of v[4p + q]; transposed to lane i = v[i]'s
+  const __m512 totals = _mm512_add_ps(_mm512_shuffle_ps(low, high, 0x44),
+                                      _mm512_shuffle_ps(low, high, 0xEE));
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(transpose, totals);
+}
+
+// 16 bf16 widened to fp32 (a bf16 is an fp32's top half); lanes at and past `left` read as 0
+inline __m512 widen_bf16(const bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 widen_bf16(const bf16* p, int64_t left) {
+  if (left >= 16) return widen_bf16(p);
+  const __mmask16 lanes = left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+// y[m, n0:n0 + 4] = x[m] . w[n0:n0 + 4] for the kRows rows of x (fp32, K padded to a multiple of
+// 32 with zeros) from m0: each weight line widened to fp32 once and multiplied by every row with
+// fp32 FMAs (on the Xeon with AMX here, vdpbf16ps issues at a quarter of the FMAs' rate: 78 vs
+// 165 GFLOP/s on one core), the sums rounded to bf16 once, the bias added before. The loops over
+// rows and outputs are unrolled so that the 16 sums stay in registers.
+template <int64_t kRows, bool kPrefetch>
+void tile_product_bf16(const float* x, int64_t x_stride, const bf16* w, const bf16* bias, bf16* y,
+                       int64_t K, int64_t N, int64_t n0, int64_t m0) {
+  __m512 acc[kInputsPerTile * kOutputsPerTile];       // row r, output j at 4r + j; unused: 0
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kInputsPerTile * kOutputsPerTile; ++i) acc[i] = _mm512_setzero_ps();
+  const bf16* ahead = w + std::min(n0 + kTilesAhead * kOutputsPerTile, N - kOutputsPerTile) * K;
+  const bf16* wt = w + n0 * K;
+  const float* xt = x + m0 * x_stride;
+  for (int64_t k = 0; k < K; k += kBF16PerLine) {
+    __m512 low[kOutputsPerTile], high[kOutputsPerTile];
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kOutputsPerTile; ++j) {
+      if constexpr (kPrefetch) _mm_prefetch((const char*)(ahead + j * K + k), _MM_HINT_T0);
+      if (k + kBF16PerLine <= K) {
+        low[j] = widen_bf16(wt + j * K + k);
+        high[j] = widen_bf16(wt + j * K + k + 16);
+      } else {
+        low[j] = widen_bf16(wt + j * K + k, K - k);
+        high[j] = widen_bf16(wt + j * K + k + 16, K - k - 16);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 x_low = _mm512_loadu_ps(xt + r * x_stride + k);
+      const __m512 x_high = _mm512_loadu_ps(xt + r * x_stride + k + 16);
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kOutputsPerTile; ++j) {
+        acc[r * kOutputsPerTile + j] = _mm512_fmadd_ps(x_low, low[j], acc[r * kOutputsPerTile + j]);
+        acc[r * kOutputsPerTile + j] = _mm512_fmadd_ps(x_high, high[j], acc[r * kOutputsPerTile + j]);
+      }
+    }
+  }
+  FloatVec totals(reduce_16(acc));                        // row r, output j in lane 4r + j
+  if (bias != nullptr) {
+    alignas(64) float b[kOutputsPerTile];
+    for (int64_t j = 0; j < kOutputsPerTile; ++j) b[j] = float(bias[n0 + j]);
+    totals = totals + FloatVec(_mm512_broadcast_f32x4(_mm_load_ps(b)));
+  }
+  alignas(64) bf16 rounded[kStep];
+  at::vec::convert_from_float<bf16>(totals, FloatVec(0.f)).store(rounded);
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kRows; ++r) {
+    std::memcpy(y + (m0 + r) * N + n0, rounded + r * kOutputsPerTile, sizeof(bf16) * kOutputsPerTile);
+  }
+}
+
+void tile_products_bf16(const float* x, int64_t x_stride, const bf16* w, const bf16* bias,
+                        bf16* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  using Pass = void (*)(const float*, int64_t, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                        int64_t, int64_t);
+  static constexpr Pass kFirst[] = {nullptr, tile_product_bf16<1, true>,
+                                    tile_product_bf16<2, true>, tile_product_bf16<3, true>,
+                                    tile_product_bf16<4, true>};
+  static constexpr Pass kLater[] = {nullptr, tile_product_bf16<1, false>,
+                                    tile_product_bf16<2, false>, tile_product_bf16<3, false>,
+                                    tile_product_bf16<4, false>};
+  for (int64_t m0 = 0; m0 < M; m0 += kInputsPerTile) {
+    const int64_t rows = std::min(kInputsPerTile, M - m0);
+    (m0 == 0 ? kFirst : kLater)[rows](x, x_stride, w, bias, y, K, N, n0, m0);
+  }
+}
+
+}  // namespace
+
+// x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16 for the few rows of a decode step, on the plain
+// (row-major) weight, N a multiple of 4. oneDNN's prepacked product at a few rows reads the weight
+// well below the memory's speed; here, as in few_rows_linear, each tile of 4 weight rows is read
+// once for every row of x (widened to fp32 once per call) and the tiles ahead are prefetched.
+torch::Tensor few_rows_linear_bf16(torch::Tensor x, torch::Tensor weight,
+                                   std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+              "x and weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1),
+              "x [M, K] and weight [N, K] must be contiguous");
+  TORCH_CHECK(weight.size(0) % kOutputsPerTile == 0, "weight's rows must be a multiple of ",
+              kOutputsPerTile);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bf16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == N &&
+                    bias->is_contiguous(),
+                "bias: contiguous bfloat16 [N]");
+    bp = bias->data_ptr<bf16>();
+  }
+  // x in fp32, each row padded with zeros to whole steps
+  const int64_t x_stride = (K + kBF16PerLine - 1) / kBF16PerLine * kBF16PerLine;
+  std::vector<float> xf(M * x_stride, 0.f);
+  const bf16* xp = x.data_ptr<bf16>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = 0; i < K; ++i) xf[m * x_stride + i] = float(xp[m * K + i]);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const bf16* wp = weight.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, N / kOutputsPerTile, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      tile_products_bf16(xf.data(), x_stride, wp, bp, yp, M, K, N, tile * kOutputsPerTile);
+    }
+  });
+  return y;
+}
+#endif  // CPU_CAPABILITY_AVX512
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
@@ -552,7 +748,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged KV cache, read in place");
+  m.def("write_kv_", &write_kv_, "k/v rows stored at their slots of the paged caches");
   m.def("few_rows_linear", &few_rows_linear, "x @ weight.T (+ bias) in fp32 for a few rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.attr("VECTOR_STEP") = kStep;   // head_dim must be a multiple of it
+#ifdef CPU_CAPABILITY_AVX512
+  m.def("few_rows_linear_bf16", &few_rows_linear_bf16,
+        "x @ weight.T (+ bias) in bf16 for a few rows", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+#endif
 }

@@ -1,7 +1,7 @@
 """The decoder's elementwise steps — RMSNorm, the residual add with the next norm, rotary
 embedding, SwiGLU's silu-and-multiply — fused on a CPU (fp32 and bf16), decode attention
-reading the paged KV cache in place, and fp32 products of a decode step's few rows; PyTorch
-operators elsewhere.
+reading the paged KV cache in place, and products of a decode step's few rows (fp32, and bf16
+on AVX-512); PyTorch operators elsewhere.
 
 Between its matrix products a layer runs a dozen elementwise operators; in PyTorch each is a
 pass over the activations with its own bf16 <-> fp32 conversions and dispatch. cpu_ops.cpp does
@@ -169,6 +169,18 @@ def rope_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -
     x2.copy_(rotated_2)
 
 
+def writes_kv(k: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether write_kv_ stores these rows: a CPU cache of k's dtype (FP8 caches, which need
+    scales, keep the reference)."""
+    return uses_fused(k) and k_cache.dtype == k.dtype
+
+
+def write_kv_(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k/v [T, Hkv, D] stored at their flat slots of the paged caches (negative slots skipped),
+    as kernels.write_kv does, one row copy each (writes_kv must hold)."""
+    _ops.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+
+
 def decodes_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention takes these queries over this cache: a CPU cache of q's
     dtype (no FP8 scales), head_dim a multiple of the vector step (64 and 128 are)."""
@@ -190,15 +202,43 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -
 # 2 rows 39 vs 46 ms, 8 rows 51 vs 108, 16 rows 73 vs 93; one row is MKL's already at the
 # memory's speed)
 FEW_ROWS = range(2, 17)
+# rows for which few_rows_linear_bf16 beats oneDNN's prepacked bf16 product (SmolLM2's products
+# and head, one core, Xeon with AMX: 1 row 26 vs 43 ms, 4 rows 30 vs 42, 7 rows 41 vs 43, 8 rows
+# 44 vs 43)
+FEW_ROWS_BF16 = range(1, 5)
+
+
+def multiplies_bf16_rows() -> bool:
+    """Whether the compiled operators carry the bf16 few-rows product (built for AVX-512), so
+    that a packed layer keeps its plain weight for it."""
+    return hasattr(_ops, "few_rows_linear_bf16")
+
+
+def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` goes through a few-rows kernel rather than F.linear."""
+    if not (uses_fused(x) and x.dim() == 2 and weight.is_contiguous()):
+        return False
+    if x.dtype == torch.float32:
+        return x.shape[0] in FEW_ROWS and weight.shape[0] >= 4
+    return (x.shape[0] in FEW_ROWS_BF16 and weight.shape[0] % 4 == 0
+            and multiplies_bf16_rows())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, with an fp32 product of a decode step's few rows through the compiled kernel
-    (the weight read from memory once for all rows)."""
-    if (uses_fused(x) and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] in FEW_ROWS and weight.shape[0] >= 4 and weight.is_contiguous()):
+    """`F.linear`, with the product of a decode step's few rows (fp32, or bf16 on AVX-512)
+    through the compiled kernels: the weight read from memory once for all
+    rows."""
+    if not takes_few_rows(x, weight):
+        return F.linear(x, weight, bias)
+    return few_rows_linear(x, weight, bias)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the few-rows kernel of x's dtype (takes_few_rows holds)."""
+    if x.dtype == torch.float32:
         return _ops.few_rows_linear(x.contiguous(), weight, bias)
-    return F.linear(x, weight, bias)
+    return _ops.few_rows_linear_bf16(x.contiguous(), weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

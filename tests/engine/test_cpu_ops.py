@@ -1,6 +1,7 @@
 """The compiled CPU operators (backend/cpu_ops.py, cpu_ops.cpp), fp32 and bf16: each
 elementwise step computes what its PyTorch definition does, decode attention over the paged
-cache what the gathering reference does, a model gives the same logits through them, and without
+cache what the gathering reference does, the few-rows products F.linear's, the KV scatter the
+reference's, a model gives the same logits through them, and without
 them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from prefixgate.backend import cpu_linear, cpu_ops
 from prefixgate.backend.loader import cpu_flags, load_model
 from prefixgate.kernels.decode_attention_ref import decode_attention_ref
+from prefixgate.kernels.write_kv_ref import write_kv_ref
 from tests.engine.test_cpu_linear import assert_same_bf16_logits, logits_of
 from tests.helpers import make_tiny_model
 
@@ -161,6 +163,66 @@ def test_few_rows_linear_refuses_what_it_cannot_multiply(ops):
         ops.few_rows_linear(torch.zeros(8, 2).t(), torch.zeros(4, 8))
     x, narrow = torch.randn(3, 8), torch.randn(3, 8)            # F.linear takes the narrow one
     torch.testing.assert_close(cpu_ops.linear(x, narrow), F.linear(x, narrow))
+
+
+def bf16_rows_kernel(ops):
+    if not hasattr(ops, "few_rows_linear_bf16"):
+        pytest.skip("the bf16 few-rows product is built for AVX-512 only")
+    return ops.few_rows_linear_bf16
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 12), (1536, 4), (33, 8)])
+def test_bf16_few_rows_linear_rounds_the_exact_product_once(ops, rows, in_features, out_features):
+    # 70 and 33: a step's tail (32 bf16 per step, 16 per half); 4: one tile, nothing beyond it
+    multiply = bf16_rows_kernel(ops)
+    x, weight = bf16(rows, in_features, seed=rows), bf16(out_features, in_features, seed=1)
+    bias = bf16(out_features, seed=2)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    # rounded once to bf16 (plus fp32's order of summation near zero)
+    torch.testing.assert_close(multiply(x, weight, bias).float(), exact, rtol=2 ** -7, atol=1e-4)
+    torch.testing.assert_close(cpu_ops.linear(x, weight).float(), exact - bias.float(),
+                               rtol=2 ** -7, atol=1e-4)
+    assert cpu_ops.takes_few_rows(x, weight) == (rows in cpu_ops.FEW_ROWS_BF16)
+
+
+@needs_compiler
+def test_bf16_few_rows_linear_refuses_what_it_cannot_multiply(ops):
+    multiply = bf16_rows_kernel(ops)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        multiply(torch.zeros(2, 8), torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        multiply(bf16(2, 8), bf16(6, 8))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        multiply(bf16(8, 2).t(), bf16(4, 8))
+    with pytest.raises(RuntimeError, match="bias"):
+        multiply(bf16(2, 8), bf16(4, 8), bf16(3))
+    x, odd = bf16(3, 8), bf16(6, 8)                 # F.linear takes 6 weight rows
+    assert not cpu_ops.takes_few_rows(x, odd)
+    torch.testing.assert_close(cpu_ops.linear(x, odd), F.linear(x, odd))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_stores_rows_where_the_reference_does(ops, dtype, slot_dtype):
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)     # k and v: views
+    k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    slots = torch.tensor([3, 17, -1, 40, 0, 63], dtype=slot_dtype)          # -1: a padded row
+    caches = [torch.randn(4, 16, kv_heads, head_dim).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    write_kv_ref(k, v, *expected, slots)
+    assert cpu_ops.writes_kv(k, caches[0])
+    cpu_ops.write_kv_(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.write_kv_(k, v, *caches, torch.full((tokens,), 64, dtype=slot_dtype))
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        ops.write_kv_(k, v, *caches, slots[:3])
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        ops.write_kv_(k.half(), v.half(), *caches, slots)
 
 
 @needs_compiler
