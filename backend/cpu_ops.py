@@ -39,7 +39,10 @@ AVX512 = ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
 AVX2 = ("AVX2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
 
 _ops = None                 # the compiled module once loaded; False: unavailable (tried once)
-_plain = False              # inside plain(): PyTorch's operators even where _ops is loaded
+# what plain() can turn off: the elementwise steps, decode attention in place, the KV cache's
+# scatter, the few-rows products
+PARTS = ("elementwise", "decode_attention", "write_kv", "few_rows")
+_off: frozenset[str] = frozenset()      # inside plain(): these parts run as PyTorch's operators
 
 
 def load(cpu_flags: frozenset[str]):
@@ -59,21 +62,26 @@ def available() -> bool:
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def uses_fused(x: torch.Tensor) -> bool:
-    """Whether `x`'s steps go through the compiled operators: fp32 or bf16 on a CPU, once
-    loaded (prepare_for_inference loads them; until then, and after a failed build, never)."""
-    return bool(_ops) and not _plain and x.dtype in DTYPES and x.device.type == "cpu"
+def uses_fused(x: torch.Tensor, part: str = "elementwise") -> bool:
+    """Whether `x`'s steps of `part` go through the compiled operators: fp32 or bf16 on a CPU,
+    once loaded (prepare_for_inference loads them; until then, and after a failed build, never)
+    and unless plain() turned the part off."""
+    return bool(_ops) and part not in _off and x.dtype in DTYPES and x.device.type == "cpu"
 
 
 @contextlib.contextmanager
-def plain():
-    """PyTorch's operators inside, loaded or not: the baseline of benchmarks and tests."""
-    global _plain
-    before, _plain = _plain, True
+def plain(*parts: str):
+    """PyTorch's operators inside for `parts` (of PARTS; none named: all), loaded or not: the
+    baseline of benchmarks and tests."""
+    global _off
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown part(s) {sorted(unknown)}: choose from {', '.join(PARTS)}")
+    before, _off = _off, _off | frozenset(parts or PARTS)
     try:
         yield
     finally:
-        _plain = before
+        _off = before
 
 
 def _build(cpu_flags: frozenset[str]):
@@ -172,7 +180,7 @@ def rope_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -
 def writes_kv(k: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether write_kv_ stores these rows: a CPU cache of k's dtype (FP8 caches, which need
     scales, keep the reference)."""
-    return uses_fused(k) and k_cache.dtype == k.dtype
+    return uses_fused(k, "write_kv") and k_cache.dtype == k.dtype
 
 
 def write_kv_(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -184,7 +192,7 @@ def write_kv_(k, v, k_cache, v_cache, slot_mapping) -> None:
 def decodes_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention takes these queries over this cache: a CPU cache of q's
     dtype (no FP8 scales), head_dim a multiple of the vector step (64 and 128 are)."""
-    return (uses_fused(q) and k_cache.dtype == q.dtype
+    return (uses_fused(q, "decode_attention") and k_cache.dtype == q.dtype
             and q.shape[-1] % _ops.VECTOR_STEP == 0)
 
 
@@ -216,7 +224,7 @@ def multiplies_bf16_rows() -> bool:
 
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` goes through a few-rows kernel rather than F.linear."""
-    if not (uses_fused(x) and x.dim() == 2 and weight.is_contiguous()):
+    if not (uses_fused(x, "few_rows") and x.dim() == 2 and weight.is_contiguous()):
         return False
     if x.dtype == torch.float32:
         return x.shape[0] in FEW_ROWS and weight.shape[0] >= 4

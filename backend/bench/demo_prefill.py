@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
           f"context {config.max_position_embeddings})")
     print(f"ensure_demo_model: {built - start:.2f} s, load_model: {loaded - built:.2f} s")
     n = args.prefill_tokens
-    seconds = forward_s(model, config, paged_cache(config, n, torch.float32), [n], n,
-                        args.repeats)
+    [seconds] = forward_s(model, config, paged_cache(config, n, torch.float32), [n], n,
+                          args.repeats)
     print(f"prefill of {n} tokens (fp32, CPU): median {seconds:.2f} s over {args.repeats} runs "
           f"(after a warm-up)")
     return 0

@@ -7,16 +7,21 @@ paged-KV path of backend/models/llama.py, a cold prefill of each of `--prefill-t
 decode step of each of `--batches` sequences at `--context` tokens. The limits probe
 (bench/limits.py) runs first in the same process on the same threads, and every figure is also
 given as its fraction of the floor (1.0: the machine's limit). Medians over `--repeats`; run it
-pinned (`taskset -c 0`) with `--threads 1` to measure one core.
+pinned (`taskset -c 0`) with `--threads 1` to measure one core. `--baseline-plain PARTS` times
+every step a second time with those compiled operators off (backend/cpu_ops.py's PARTS, or
+`all`), the two alternating step by step in one process, so that a busy machine slows both
+alike: the speed-up is measured side by side.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
+from prefixgate.backend import cpu_ops
 from prefixgate.backend.attention import AttentionMetadata
 from prefixgate.backend.bench import limits as probe
 from prefixgate.backend.bench.script import add_dtype_arg, int_list, run_report_save
@@ -35,9 +40,11 @@ def paged_cache(config, tokens: int, dtype: torch.dtype) -> list[tuple]:
             for _ in range(config.num_hidden_layers)]
 
 
-def forward_s(model, config, kv, lens: list[int], new: int, repeats: int) -> float:
-    """Median seconds of one step: each sequence (its cache already holding lens[s] - new
-    tokens) computes `new` tokens; the last token's logits of each, as the engine asks."""
+def forward_s(model, config, kv, lens: list[int], new: int, repeats: int,
+              variants=(contextlib.nullcontext,)) -> list[float]:
+    """Median seconds of one step per variant (a context to run it in), the variants taking
+    turns: each sequence (its cache already holding lens[s] - new tokens) computes `new`
+    tokens; the last token's logits of each, as the engine asks."""
     pages = -(-max(lens) // BLOCK)
     tables = torch.arange(len(lens) * pages, dtype=torch.int32).view(len(lens), pages)
     slots = [s * pages * BLOCK + p for s, n in enumerate(lens) for p in range(n - new, n)]
@@ -50,13 +57,15 @@ def forward_s(model, config, kv, lens: list[int], new: int, repeats: int) -> flo
                         generator=torch.Generator().manual_seed(0))
     positions = torch.tensor([p for n in lens for p in range(n - new, n)])
     last = torch.arange(new - 1, len(slots), new)
-    times = []
+    times = [[] for _ in variants]
     with torch.inference_mode():
         for _ in range(repeats + 1):           # the first is a warm-up
-            start = time.perf_counter()
-            model.compute_logits(model(ids, positions, meta, kv)[last])
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+            for variant, samples in zip(variants, times, strict=True):
+                with variant():
+                    start = time.perf_counter()
+                    model.compute_logits(model(ids, positions, meta, kv)[last])
+                    samples.append(time.perf_counter() - start)
+    return [statistics.median(samples[1:]) for samples in times]
 
 
 def run(args) -> dict:
@@ -71,21 +80,33 @@ def run(args) -> dict:
     floors = probe.Floors(limits, probe.ModelCost.of(config))
     pages = -(-max([*args.prefill_tokens, args.context]) // BLOCK)
     kv = paged_cache(config, max(args.batches) * pages * BLOCK, weight_dtype)
-    prefill = {n: forward_s(model, config, kv, [n], n, args.repeats)
+    variants = [contextlib.nullcontext]
+    if args.baseline_plain:
+        variants.append(lambda: cpu_ops.plain(*args.baseline_plain))
+    prefill = {n: forward_s(model, config, kv, [n], n, args.repeats, variants)
                for n in args.prefill_tokens}
-    decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats)
+    decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats, variants)
               for b in args.batches}
     return {
         "config": dict(vars(args)), "dtype": dtype_name, "packed_linears": packed,
         "limits": limits.to_dict(),
-        "prefill": {n: {"s": s, "floor_s": floors.prefill_s(n, dtype_name),
-                        "fraction": floors.prefill_fraction(n, s, dtype_name)}
+        "prefill": {n: {"s": s[0], "floor_s": floors.prefill_s(n, dtype_name),
+                        "fraction": floors.prefill_fraction(n, s[0], dtype_name),
+                        **baseline(s, 1)}
                     for n, s in prefill.items()},
-        "decode": {b: {"ms": s * 1e3,
+        "decode": {b: {"ms": s[0] * 1e3,
                        "floor_ms": floors.decode_step(b, dtype_name, args.context)["s"] * 1e3,
-                       "fraction": floors.decode_fraction(b, s, dtype_name, args.context)}
+                       "fraction": floors.decode_fraction(b, s[0], dtype_name, args.context),
+                       **baseline(s, 1e3)}
                    for b, s in decode.items()},
     }
+
+
+def baseline(seconds: list[float], unit: float) -> dict:
+    """The baseline's median (in the unit of the figure beside it) and the speed-up over it."""
+    if len(seconds) == 1:
+        return {}
+    return {"baseline": seconds[1] * unit, "speedup": seconds[1] / seconds[0]}
 
 
 def report(result: dict) -> None:
@@ -94,12 +115,21 @@ def report(result: dict) -> None:
         f"fused, {result['packed_linears']} linears prepacked")
     print(f"{c['model']} in {result['dtype']}, {form}, {c['threads']} thread(s); "
           f"median of {c['repeats']}; fraction = floor / measured")
+    if c["baseline_plain"]:
+        print(f"  baseline: the same steps with {', '.join(c['baseline_plain'])} as PyTorch's "
+              f"operators, taking turns with the default")
     for n, r in result["prefill"].items():
         print(f"  prefill {n:>6,} tokens  {r['s']:8.3f} s    floor {r['floor_s']:7.3f} s    "
-              f"{r['fraction']:.2f}")
+              f"{r['fraction']:.2f}" + against_baseline(r, "s", 3))
     for b, r in result["decode"].items():
         print(f"  decode batch {b:>3} at {c['context']:,}  {r['ms']:6.1f} ms    floor "
-              f"{r['floor_ms']:5.1f} ms    {r['fraction']:.2f}")
+              f"{r['floor_ms']:5.1f} ms    {r['fraction']:.2f}" + against_baseline(r, "ms", 1))
+
+
+def against_baseline(row: dict, unit: str, digits: int) -> str:
+    if "baseline" not in row:
+        return ""
+    return f"    baseline {row['baseline']:.{digits}f} {unit}    {row['speedup']:.2f}x"
 
 
 def parse_args(argv: list[str] | None = None):
@@ -114,10 +144,22 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--context", type=int, default=1024, help="decode: tokens per sequence")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--baseline-plain", type=plain_parts, default=None, metavar="PARTS",
+                   help="also time each step with these compiled operators off, in turns with "
+                        f"the default: comma-separated of {', '.join(cpu_ops.PARTS)}, or all")
     p.add_argument("--quick", action="store_true",
                    help="the limits probe's quick form: to see that it works, not to measure")
     p.add_argument("--out", help="save the result as JSON here")
     return p.parse_args(argv)
+
+
+def plain_parts(value: str) -> list[str]:
+    parts = list(cpu_ops.PARTS) if value == "all" else [v for v in value.split(",") if v]
+    unknown = sorted(set(parts) - set(cpu_ops.PARTS))
+    if not parts or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown part(s) {unknown or [value]}: choose from {', '.join(cpu_ops.PARTS)}, or all")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

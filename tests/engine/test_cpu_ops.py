@@ -304,3 +304,21 @@ def test_without_the_operators_the_engine_still_serves(tmp_path, env):
     assert run.stdout.strip().splitlines()[-1] == "plain 4"
     if "CXX" in env:        # a failed build says so once, and why
         assert "fused CPU operators unavailable" in run.stdout
+
+
+@needs_compiler
+def test_plain_turns_off_the_parts_it_names_and_only_those(ops):
+    x, cache = bf16(2, 576), torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    k = bf16(3, 2, 64)
+    assert cpu_ops.uses_fused(x) and cpu_ops.writes_kv(k, cache)
+    with cpu_ops.plain("write_kv"):
+        assert cpu_ops.uses_fused(x) and not cpu_ops.writes_kv(k, cache)
+        with cpu_ops.plain("elementwise"):
+            assert not cpu_ops.uses_fused(x) and not cpu_ops.writes_kv(k, cache)
+        assert cpu_ops.uses_fused(x)
+    with cpu_ops.plain():
+        assert not any(cpu_ops.uses_fused(x, part) for part in cpu_ops.PARTS)
+    assert cpu_ops.writes_kv(k, cache)
+    with pytest.raises(ValueError, match="unknown part"):
+        with cpu_ops.plain("warp_drive"):
+            pass

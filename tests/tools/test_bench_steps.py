@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from prefixgate.backend.bench import steps
 
 
@@ -36,3 +38,21 @@ def test_steps_are_timed_against_their_floors(tmp_path):
 def test_plain_skips_fusing_and_packing(tmp_path):
     result, printed = run(tmp_path, "--plain", "--batches", "1", "--prefill-tokens", "64")
     assert result["packed_linears"] == 0 and "as loaded (--plain)" in printed
+
+
+def test_a_baseline_with_parts_off_is_timed_in_turns_beside_the_default(tmp_path):
+    result, printed = run(tmp_path, "--baseline-plain", "few_rows,write_kv")
+    assert result["config"]["baseline_plain"] == ["few_rows", "write_kv"]
+    for row in result["decode"].values():
+        assert row["baseline"] > 0 and row["speedup"] == row["baseline"] / row["ms"]
+    for row in result["prefill"].values():
+        assert row["speedup"] == row["baseline"] / row["s"]
+    assert "baseline: the same steps with few_rows, write_kv as PyTorch's" in printed
+    assert "baseline" not in run(tmp_path)[0]["decode"]["1"]
+
+
+def test_an_unknown_part_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        steps.main(["--baseline-plain", "few_rows,warp_drive"])
+    assert exit_.value.code == 2
+    assert "unknown part(s) ['warp_drive']: choose from elementwise" in capsys.readouterr().err
