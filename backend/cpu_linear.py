@@ -13,11 +13,11 @@ packed output head (`cpu_head`); a tied head is a packed copy of the embedding, 
 still needs in plain form (the one weight held twice: vocab x hidden, 56 MB for SmolLM2 in bf16).
 In fp32 (packed, oneDNN was slower here) FewRowsLinear takes each layer's weight as it is.
 
-oneDNN's packed bf16 product reads the weight at ~60% of the memory's speed for 1 to 4 rows (a
-decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it. So on
-AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied head's plain
-weight is the embedding itself) and sends those rows to the kernel: every product and the head
-at one row 43 -> 26 ms on one core of the Xeon with AMX.
+oneDNN's packed bf16 product reads the weight at about half the memory's speed for 1 to 8 rows
+(a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 4
+rows. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied
+head's plain weight is the embedding itself) and sends those rows to the kernel: every product
+and the head at one row 43 -> 26 ms on one core of the Xeon with AMX.
 """
 from __future__ import annotations
 
@@ -59,9 +59,8 @@ class FewRowsLinear(nn.Module):
 
 class PackedLinear(nn.Module):
     """`F.linear(x, weight, bias)` against a weight prepacked for oneDNN; where cpu_ops has the
-    bf16 few-rows kernel (AVX-512), a decode step's few rows multiply the plain weight, kept
-    beside the packed one: oneDNN's packed product reads the weight at ~60% of the memory's
-    speed for 1 to 7 rows, the kernel near it."""
+    bf16 few-rows kernel (AVX-512), a decode step's 1 to 4 rows multiply the plain weight, kept
+    beside the packed one (see the module's docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()

@@ -457,7 +457,7 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache/v_cache: contiguous [blocks, block_size, Hkv, D] alike");
   const int64_t Hkv = k_cache.size(2), D = k_cache.size(3), row = Hkv * D;
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   for (const auto* x : {&k, &v}) {
     TORCH_CHECK(x->dim() == 3 && x->size(1) == Hkv && x->size(2) == D && x->stride(2) == 1 &&
                     x->stride(1) == D && x->scalar_type() == k_cache.scalar_type(),
@@ -474,10 +474,15 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const bool wide = slot_mapping.scalar_type() == torch::kLong;
+  const int64_t* slots64 = wide ? slot_mapping.data_ptr<int64_t>() : nullptr;
+  const int32_t* slots32 = wide ? nullptr : slot_mapping.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {             // all checked before any row is written
+    const int64_t slot = wide ? slots64[t] : slots32[t];
+    TORCH_CHECK(slot < capacity, "slot ", slot, " is past the cache's ", capacity, " slots");
+  }
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = wide ? slot_mapping.data_ptr<int64_t>()[t] : slot_mapping.data_ptr<int32_t>()[t];
+    const int64_t slot = wide ? slots64[t] : slots32[t];
     if (slot < 0) continue;
-    TORCH_CHECK(slot < slots, "slot ", slot, " is past the cache's ", slots);
     std::memcpy(kc + slot * bytes, kp + t * k.stride(0) * k.element_size(), bytes);
     std::memcpy(vc + slot * bytes, vp + t * v.stride(0) * v.element_size(), bytes);
   }

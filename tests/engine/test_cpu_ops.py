@@ -217,8 +217,9 @@ def test_write_kv_stores_rows_where_the_reference_does(ops, dtype, slot_dtype):
     assert cpu_ops.writes_kv(k, caches[0])
     cpu_ops.write_kv_(k, v, *caches, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
-    with pytest.raises(RuntimeError, match="past the cache"):
-        ops.write_kv_(k, v, *caches, torch.full((tokens,), 64, dtype=slot_dtype))
+    with pytest.raises(RuntimeError, match="past the cache"):     # refused before any write
+        ops.write_kv_(k, v, *caches, torch.tensor([5, 6, 7, 8, 9, 64], dtype=slot_dtype))
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     with pytest.raises(RuntimeError, match="one slot per token"):
         ops.write_kv_(k, v, *caches, slots[:3])
     with pytest.raises(RuntimeError, match="cache's dtype"):
