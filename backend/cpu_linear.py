@@ -17,15 +17,27 @@ oneDNN's packed bf16 product reads the weight at about half the memory's speed f
 (a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 4
 rows. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied
 head's plain weight is the embedding itself) and sends those rows to the kernel: every product
-and the head at one row 43 -> 26 ms on one core of the Xeon with AMX.
+and the head at one row 43 -> 26 ms on one core of the Xeon with AMX. Only where those copies
+fit in PLAIN_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
 """
 from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from prefixgate.backend import cpu_ops
 from prefixgate.backend.loader import cpu_flags
+
+log = logging.getLogger("prefixgate.engine")
+
+# the plain weights kept beside the packed ones for the few-rows kernel take at most this share
+# of the memory the engine may use (SmolLM2: 212 MB)
+PLAIN_COPY_SHARE = 0.1
 
 # fp32 stays plain: packed, its prefill was slower (5.36 vs 5.15 s for 2,400 tokens of SmolLM2
 # on one core) and its one-token product too (0.14 vs 0.12 ms at 576 x 1,536)
@@ -62,13 +74,13 @@ class PackedLinear(nn.Module):
     bf16 few-rows kernel (AVX-512), a decode step's 1 to 4 rows multiply the plain weight, kept
     beside the packed one (see the module's docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_plain: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         plain = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.bias = None if bias is None else bias.detach().clone()
-        self.weight = plain if cpu_ops.multiplies_bf16_rows() else None
+        self.weight = plain if keep_plain and cpu_ops.multiplies_bf16_rows() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and cpu_ops.takes_few_rows(x, self.weight):
@@ -85,10 +97,35 @@ def pack_linears(model: nn.Module) -> int:
     embedding = model.model.embed_tokens.weight
     if not can_pack(embedding.dtype, embedding.device):
         return 0
-    return _replace_linears(model, PackedLinear)
+    keep_plain = cpu_ops.multiplies_bf16_rows() and plain_copies_fit(model)
+    return _replace_linears(model, functools.partial(PackedLinear, keep_plain=keep_plain))
 
 
-def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> int:
+def plain_copies_fit(model: nn.Module) -> bool:
+    """Whether every linear weight kept a second time (a tied head's is the embedding: no copy)
+    fits in PLAIN_COPY_SHARE of the memory this process may use; says so in the log if not."""
+    extra = sum(m.weight.numel() * m.weight.element_size()
+                for m in model.modules() if isinstance(m, nn.Linear))
+    memory = usable_memory_bytes()
+    if extra <= PLAIN_COPY_SHARE * memory:
+        return True
+    log.info("bf16 few-rows products off: the plain weights (%.2f GB) would take more than "
+             "%.0f%% of memory (%.1f GB); decode steps use the packed ones",
+             extra / 1e9, PLAIN_COPY_SHARE * 100, memory / 1e9)
+    return False
+
+
+def usable_memory_bytes() -> int:
+    """The machine's physical memory, or a container's cgroup (v2) limit where lower."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return memory
+    return min(memory, int(limit)) if limit.isdigit() else memory
+
+
+def _replace_linears(model: nn.Module, layer) -> int:
     """Every `nn.Linear` of `model` made `layer(weight, bias)`, and a tied head too (as the
     model's cpu_head); returns how many."""
     replaced = 0

@@ -65,11 +65,14 @@ def test_fused_projections_compute_what_the_separate_ones_do(model_dir):
 
 
 @needs_bf16_packing
-def test_a_packed_linear_multiplies_as_a_plain_one():
+@pytest.mark.parametrize("keep_plain", [False, True])    # True: 1-4 rows through cpu_ops' kernel
+def test_a_packed_linear_multiplies_as_a_plain_one(keep_plain):
+    cpu_ops.load(cpu_flags())
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
-    packed = cpu_linear.PackedLinear(weight, bias)
-    for rows in (1, 8, 300):
+    packed = cpu_linear.PackedLinear(weight, bias, keep_plain=keep_plain)
+    assert (packed.weight is not None) == (keep_plain and cpu_ops.multiplies_bf16_rows())
+    for rows in (1, 3, 8, 300):
         x = torch.randn(rows, 64).bfloat16()
         expected = F.linear(x.float(), weight.float(), bias.float())
         got = packed(x)
@@ -89,6 +92,26 @@ def test_a_packed_model_gives_the_logits_of_the_plain_one(model_dir):
     for a, b in zip(logits_of(plain, config, torch.bfloat16),
                     logits_of(packed, config, torch.bfloat16), strict=True):
         assert_same_bf16_logits(a, b)
+
+
+@needs_bf16_packing
+def test_plain_weights_are_kept_only_where_they_fit_in_memory(model_dir, monkeypatch, caplog):
+    model, config = load_model(model_dir, dtype="bfloat16")
+    cpu_linear.prepare_for_inference(model)
+    layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    if cpu_ops.multiplies_bf16_rows():          # a tiny model's copies fit in 10% of any machine
+        assert all(layer.weight is not None for layer in layers)
+    monkeypatch.setattr(cpu_linear, "PLAIN_COPY_SHARE", 0.0)
+    tight, _ = load_model(model_dir, dtype="bfloat16")
+    with caplog.at_level("INFO", logger="prefixgate.engine"):
+        cpu_linear.prepare_for_inference(tight)
+    assert all(m.weight is None for m in tight.modules() if isinstance(m, cpu_linear.PackedLinear))
+    if cpu_ops.multiplies_bf16_rows():
+        assert "bf16 few-rows products off" in caplog.text
+    for a, b in zip(logits_of(model, config, torch.bfloat16),
+                    logits_of(tight, config, torch.bfloat16), strict=True):
+        assert_same_bf16_logits(a, b)
+    assert 0 < cpu_linear.usable_memory_bytes()
 
 
 def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
