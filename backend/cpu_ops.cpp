@@ -273,44 +273,151 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 namespace {
 
-// One row of D cached values as fp32: fp32 rows are read where they lie, bf16 rows widened
-// into `buffer`.
+constexpr int64_t kLanes = FloatVec::size();
+
+// The totals of kLanes vectors' lanes as one vector (lane i: the sum of v[i]'s lanes): a tree of
+// adds over shuffled halves instead of a reduction per vector.
+#ifdef CPU_CAPABILITY_AVX512
+inline __m512 reduce_16(const __m512 v[16]) {
+  __m512 halves[8], quarters[4];
+  for (int i = 0; i < 8; ++i) {     // 128-bit lanes: v[2i]'s in 0-1, v[2i + 1]'s in 2-3
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {     // 128-bit lane j: four partial sums of v[4i + j]
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                   _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                    _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  // element 4q + p: the total of v[4p + q]; transposed to lane i = v[i]'s
+  const __m512 totals = _mm512_add_ps(_mm512_shuffle_ps(low, high, 0x44),
+                                      _mm512_shuffle_ps(low, high, 0xEE));
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(transpose, totals);
+}
+inline FloatVec lane_totals(const FloatVec v[kLanes]) {
+  __m512 raw[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) raw[i] = v[i];
+  return reduce_16(raw);
+}
+#else
+inline FloatVec lane_totals(const FloatVec v[kLanes]) {
+  // hadd(a, b) = a0+a1, a2+a3, b0+b1, b2+b3 | the same of the upper halves
+  const __m256 pairs01 = _mm256_hadd_ps(v[0], v[1]), pairs23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 pairs45 = _mm256_hadd_ps(v[4], v[5]), pairs67 = _mm256_hadd_ps(v[6], v[7]);
+  // v[0..3]'s lower-half totals | their upper-half totals; the same for v[4..7]
+  const __m256 low = _mm256_hadd_ps(pairs01, pairs23), high = _mm256_hadd_ps(pairs45, pairs67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+
+// q . k for kLanes cached rows at once, as one vector (lane t: row t's score): the rows' partial
+// sums stay in registers and are totalled together, not one horizontal sum per row. q: D fp32.
 template <typename T>
-inline const float* row_as_float(const T* row, float* buffer, int64_t D) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < D; i += kStep) {
-      auto [a, b] = load2(row + i);
-      store2(buffer + i, a, b);
+inline FloatVec scores_of(const float* q, const T* const keys[kLanes], int64_t D) {
+  FloatVec acc[kLanes];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kLanes; ++t) acc[t] = FloatVec(0.f);
+  for (int64_t i = 0; i < D; i += kStep) {
+    const auto [q0, q1] = load2(q + i);
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const auto [k0, k1] = load2(keys[t] + i);
+      acc[t] = at::vec::fmadd(q1, k1, at::vec::fmadd(q0, k0, acc[t]));
     }
-    return buffer;
   }
+  return lane_totals(acc);
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  FloatVec acc0(0.f), acc1(0.f);
+// acc[g] += sum over the block's n rows of probs[g][t] * v_t, for kG query rows. The rows' sums
+// for kStep of D stay in registers over the block, in two sets (even and odd rows) so that
+// 4 * kG chains of FMAs run side by side (one chain waits on each FMA's latency); each value row
+// is widened once.
+template <int64_t kG, typename T>
+void add_values(float* acc, const float* probs, int64_t width, const T* v_block,
+                int64_t token_stride, int64_t n, int64_t D) {
   for (int64_t i = 0; i < D; i += kStep) {
-    auto [a0, a1] = load2(a + i);
-    auto [b0, b1] = load2(b + i);
-    acc0 = at::vec::fmadd(a0, b0, acc0);
-    acc1 = at::vec::fmadd(a1, b1, acc1);
+    FloatVec sums[2][kG][2];                       // [row parity][query row][low/high half]
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < kG; ++g) {
+      std::tie(sums[0][g][0], sums[0][g][1]) = load2(acc + g * D + i);
+      sums[1][g][0] = sums[1][g][1] = FloatVec(0.f);
+    }
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+#pragma GCC unroll 2
+      for (int64_t parity = 0; parity < 2; ++parity) {
+        const auto [v0, v1] = load2(v_block + (t + parity) * token_stride + i);
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < kG; ++g) {
+          const FloatVec p(probs[g * width + t + parity]);
+          sums[parity][g][0] = at::vec::fmadd(p, v0, sums[parity][g][0]);
+          sums[parity][g][1] = at::vec::fmadd(p, v1, sums[parity][g][1]);
+        }
+      }
+    }
+    if (t < n) {
+      const auto [v0, v1] = load2(v_block + t * token_stride + i);
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < kG; ++g) {
+        const FloatVec p(probs[g * width + t]);
+        sums[0][g][0] = at::vec::fmadd(p, v0, sums[0][g][0]);
+        sums[0][g][1] = at::vec::fmadd(p, v1, sums[0][g][1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < kG; ++g) {
+      store2(acc + g * D + i, sums[0][g][0] + sums[1][g][0], sums[0][g][1] + sums[1][g][1]);
+    }
   }
-  return at::vec::vec_reduce_all<float>(
-      [](FloatVec& p, FloatVec& q) { return p + q; }, acc0 + acc1);
 }
 
-// acc[0:D] += p * row
-inline void add_scaled(float* acc, float p, const float* row, int64_t D) {
-  const FloatVec pv(p);
-  for (int64_t i = 0; i < D; i += kStep) {
-    auto [a0, a1] = load2(acc + i);
-    auto [r0, r1] = load2(row + i);
-    store2(acc + i, at::vec::fmadd(r0, pv, a0), at::vec::fmadd(r1, pv, a1));
+// add_values for all G rows, three at a time (12 accumulators: room in AVX2's 16 registers)
+template <typename T>
+void add_all_values(float* acc, const float* probs, int64_t width, int64_t G, const T* v_block,
+                    int64_t token_stride, int64_t n, int64_t D) {
+  using Add = void (*)(float*, const float*, int64_t, const T*, int64_t, int64_t, int64_t);
+  static constexpr Add kAdd[] = {nullptr, add_values<1, T>, add_values<2, T>, add_values<3, T>};
+  for (int64_t g = 0; g < G; g += 3) {
+    kAdd[std::min<int64_t>(3, G - g)](acc + g * D, probs + g * width, width, v_block,
+                                      token_stride, n, D);
   }
 }
 
-// Where a sequence's cache lies: its block table, its length, and the strides of one KV head.
+// One query row's online softmax over a block: s (the block's n scores, padded to whole vectors)
+// becomes exp(s - the new running max), lanes past n 0; returns the factor that rescales what
+// was summed before (0 at the first block).
+inline float softmax_step(float* s, int64_t n, float& running_max, float& sum) {
+  const FloatVec minus_inf(-std::numeric_limits<float>::infinity());
+  FloatVec max_vec = minus_inf;
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int64_t lanes = std::min<int64_t>(kLanes, n - t);
+    max_vec = at::vec::maximum(max_vec, FloatVec::set(minus_inf, FloatVec::loadu(s + t), lanes));
+  }
+  const float block_max = at::vec::vec_reduce_all<float>(
+      [](FloatVec& a, FloatVec& b) { return at::vec::maximum(a, b); }, max_vec);
+  const float new_max = std::max(running_max, block_max);
+  const float factor = std::exp(running_max - new_max);
+  running_max = new_max;
+  const FloatVec new_max_vec(new_max);
+  FloatVec total(0.f);
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int64_t lanes = std::min<int64_t>(kLanes, n - t);
+    const FloatVec p = FloatVec::set(FloatVec(0.f), (FloatVec::loadu(s + t) - new_max_vec).exp(),
+                                     lanes);
+    p.store(s + t);
+    total = total + p;
+  }
+  sum = sum * factor + at::vec::vec_reduce_all<float>(
+      [](FloatVec& a, FloatVec& b) { return a + b; }, total);
+  return factor;
+}
+
+// Where a sequence's cache lies: its block table, its length, and the cache's strides.
 struct PagedRows {
   const int32_t* table;
   int64_t length, block_size, token_stride, block_stride;
@@ -319,72 +426,66 @@ struct PagedRows {
   const T* block(const T* head_base, int64_t position) const {
     return head_base + table[position / block_size] * block_stride;
   }
-  // Asks for the rows of the block that starts at `start` ahead of their use: blocks lie
-  // anywhere in the cache, where the hardware's prefetcher, which follows strides within a
-  // page, does not look for them.
+  // Asks for rows [t0, t0 + count) of the block that starts at `start` (D elements each)
+  // ahead of their use: blocks lie anywhere in the cache, where the hardware's prefetcher does
+  // not look for them. Asked for a few rows at a time while the block before is computed: a
+  // whole block's lines asked for at once filled the queue of misses and stalled the core
+  // until they came.
   template <typename T>
-  void prefetch_block(const T* head_base, int64_t start, int64_t D) const {
+  void prefetch_rows(const T* head_base, int64_t start, int64_t t0, int64_t count,
+                     int64_t D) const {
     if (start >= length) return;
     const char* first = reinterpret_cast<const char*>(block(head_base, start));
-    const int64_t n = std::min(block_size, length - start), bytes = D * int64_t(sizeof(T));
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(first + t * token_stride * int64_t(sizeof(T)) + b);
-      }
+    const int64_t end = std::min({t0 + count, block_size, length - start});
+    const int64_t bytes = D * int64_t(sizeof(T)), stride = token_stride * int64_t(sizeof(T));
+    for (int64_t t = t0; t < end; ++t) {
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + t * stride + b);
     }
   }
 };
 
-// The G query heads that share one KV head, for one sequence: online softmax over the cache's
-// blocks (scores of a block, the running max and sum updated once per block, then the block's
-// values), everything in fp32. q_rows: G rows of D, pre-scaled; out: G rows of D.
+// `heads` consecutive KV heads of one sequence (all of them, or one where there are fewer
+// sequences than threads) with the G query heads that share each: online softmax over the
+// cache's blocks (per head the block's scores, the running max and sum updated once per block,
+// then the block's values), everything in fp32. Taking a block's every head in turn reads it as
+// one range of memory rather than a strided slice per head. q_rows: heads * G rows of D,
+// pre-scaled; out: as many rows of D.
 template <typename T>
-void attend_group(const float* q_rows, int64_t G, int64_t D, const T* k_head, const T* v_head,
-                  const PagedRows& rows, T* out) {
-  const int64_t width = (rows.block_size + FloatVec::size() - 1) / FloatVec::size() *
-                        FloatVec::size();
-  std::vector<float> acc(G * D, 0.f), scores(G * width), buffer(D);
-  std::vector<float> running_max(G, -std::numeric_limits<float>::infinity()), sum(G, 0.f);
+void attend_heads(const float* q_rows, int64_t heads, int64_t G, int64_t D, const T* k_base,
+                  const T* v_base, const PagedRows& rows, T* out) {
+  const int64_t R = heads * G, width = (rows.block_size + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> acc(R * D, 0.f), probs(G * width);
+  std::vector<float> running_max(R, -std::numeric_limits<float>::infinity()), sum(R, 0.f);
   for (int64_t start = 0; start < rows.length; start += rows.block_size) {
     const int64_t n = std::min(rows.block_size, rows.length - start);
-    const T* k_block = rows.block(k_head, start);
-    const T* v_block = rows.block(v_head, start);
-    rows.prefetch_block(k_head, start + rows.block_size, D);
-    rows.prefetch_block(v_head, start + rows.block_size, D);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = row_as_float(k_block + t * rows.token_stride, buffer.data(), D);
-      for (int64_t g = 0; g < G; ++g) scores[g * width + t] = dot(q_rows + g * D, k, D);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = scores.data() + g * width;
-      float block_max = s[0];
-      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
-      const float new_max = std::max(running_max[g], block_max);
-      const float factor = std::exp(running_max[g] - new_max);   // 0 at the first block
-      running_max[g] = new_max;
-      const FloatVec max_vec(new_max);
-      FloatVec total(0.f);
-      for (int64_t t = 0; t < n; t += FloatVec::size()) {
-        const int64_t lanes = std::min<int64_t>(FloatVec::size(), n - t);
-        FloatVec p = (FloatVec::loadu(s + t, lanes) - max_vec).exp();
-        p = FloatVec::set(FloatVec(0.f), p, lanes);             // lanes past the block: 0
-        p.store(s + t);
-        total = total + p;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* k_block = rows.block(k_base + h * D, start);
+      const T* v_block = rows.block(v_base + h * D, start);
+      const int64_t r0 = h * G;                     // the head's first query row
+      for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+        const T* keys[kLanes];        // rows past the block's n: its last row again (masked)
+        for (int64_t t = 0; t < kLanes; ++t) {
+          keys[t] = k_block + std::min(t0 + t, n - 1) * rows.token_stride;
+        }
+        rows.prefetch_rows(k_base + h * D, start + rows.block_size, t0, kLanes, D);
+        rows.prefetch_rows(v_base + h * D, start + rows.block_size, t0, kLanes, D);
+        for (int64_t g = 0; g < G; ++g) {
+          scores_of(q_rows + (r0 + g) * D, keys, D).store(probs.data() + g * width + t0);
+        }
       }
-      sum[g] = sum[g] * factor + at::vec::vec_reduce_all<float>(
-          [](FloatVec& p, FloatVec& q) { return p + q; }, total);
-      if (factor != 1.f) {
-        for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= factor;
+      for (int64_t g = 0; g < G; ++g) {
+        const float factor = softmax_step(probs.data() + g * width, n, running_max[r0 + g],
+                                          sum[r0 + g]);
+        if (factor != 1.f) {
+          for (int64_t i = 0; i < D; ++i) acc[(r0 + g) * D + i] *= factor;
+        }
       }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = row_as_float(v_block + t * rows.token_stride, buffer.data(), D);
-      for (int64_t g = 0; g < G; ++g) add_scaled(acc.data() + g * D, scores[g * width + t], v, D);
+      add_all_values(acc.data() + r0 * D, probs.data(), width, G, v_block, rows.token_stride, n, D);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inverse = sum[g] > 0.f ? 1.f / sum[g] : 0.f;    // no cached token: zeros
-    for (int64_t i = 0; i < D; ++i) out[g * D + i] = T(acc[g * D + i] * inverse);
+  for (int64_t r = 0; r < R; ++r) {
+    const float inverse = sum[r] > 0.f ? 1.f / sum[r] : 0.f;    // no cached token: zeros
+    for (int64_t i = 0; i < D; ++i) out[r * D + i] = T(acc[r * D + i] * inverse);
   }
 }
 
@@ -430,14 +531,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
-    at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_rows(G * D);
+    // a task per sequence (its every KV head) where there are enough for the threads
+    const int64_t heads = S >= at::get_num_threads() ? Hkv : 1, runs = Hkv / heads;
+    at::parallel_for(0, S * runs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q_rows(heads * G * D);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / Hkv, j = task % Hkv;
+        const int64_t s = task / runs, j = task % runs * heads;     // its first KV head
         const T* q_head = qp + s * q.stride(0) + j * G * D;
-        for (int64_t i = 0; i < G * D; ++i) q_rows[i] = float(q_head[i]) * float(scale);
+        for (int64_t i = 0; i < heads * G * D; ++i) q_rows[i] = float(q_head[i]) * float(scale);
         PagedRows rows{tables + s * max_blocks, lens[s], block_size, Hkv * D, block_size * Hkv * D};
-        attend_group(q_rows.data(), G, D, kp + j * D, vp + j * D, rows, op + (s * H + j * G) * D);
+        attend_heads(q_rows.data(), heads, G, D, kp + j * D, vp + j * D, rows,
+                     op + (s * H + j * G) * D);
       }
     });
   });
@@ -600,29 +704,6 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
 namespace {
 
 constexpr int64_t kBF16PerLine = 32;     // bf16 per 64-byte line of the weight: one step
-
-// The totals of 16 vectors' lanes as one vector (lane i: the sum of v[i]'s lanes), by a tree of
-// 15 adds over shuffled halves instead of 16 separate reductions.
-inline __m512 reduce_16(const __m512 v[16]) {
-  __m512 halves[8], quarters[4];
-  for (int i = 0; i < 8; ++i) {     // 128-bit lanes: v[2i]'s in 0-1, v[2i + 1]'s in 2-3
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {     // 128-bit lane j: four partial sums of v[4i + j]
-    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
-                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
-  }
-  const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
-                                   _mm512_unpackhi_ps(quarters[0], quarters[1]));
-  const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
-                                    _mm512_unpackhi_ps(quarters[2], quarters[3]));
-  // element 4q + p: the total of v[4p + q]; transposed to lane i = v[i]'s
-  const __m512 totals = _mm512_add_ps(_mm512_shuffle_ps(low, high, 0x44),
-                                      _mm512_shuffle_ps(low, high, 0xEE));
-  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(transpose, totals);
-}
 
 // 16 bf16 widened to fp32 (a bf16 is an fp32's top half); lanes at and past `left` read as 0
 inline __m512 widen_bf16(const bf16* p) {

@@ -207,9 +207,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -
 
 
 # rows for which few_rows_linear beats MKL's fp32 sgemm (SmolLM2's products and head, one core:
-# 2 rows 39 vs 46 ms, 8 rows 51 vs 108, 16 rows 73 vs 93; one row is MKL's already at the
-# memory's speed)
-FEW_ROWS = range(2, 17)
+# 2 rows 39 vs 46 ms, 8 rows 51 vs 108, 16 rows 73 vs 93 on the Xeon; one row 33-38 vs 38-43 ms
+# on a Zen 3 EPYC, where MKL's one-row product fell short of the memory's speed)
+FEW_ROWS = range(1, 17)
 # rows for which few_rows_linear_bf16 beats oneDNN's prepacked bf16 product: SmolLM2's products
 # and head, one core, Xeon with AMX: 1 row 26 vs 43 ms, 4 rows 30 vs 42, 7 rows 41 vs 43, 8 rows
 # 44 vs 43; a whole decode step gained at 4 rows (1.07-1.23x) but lost at 7 (0.87x)

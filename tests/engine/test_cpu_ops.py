@@ -104,16 +104,26 @@ def paged(lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype, bloc
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens,heads,kv_heads,head_dim", [
-    ([1024], 9, 3, 64),                     # SmolLM2's heads, one long sequence
-    ([37, 1, 0, 16, 17, 300], 8, 2, 64),    # ragged: a partial block, one token, nothing cached
-    ([5, 70], 4, 4, 128),                   # no grouping, a wider head
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block", [
+    ([1024], 9, 3, 64, 16),                 # SmolLM2's heads, one long sequence
+    ([37, 1, 0, 16, 17, 300], 8, 2, 64, 16),  # ragged: a partial block, one token, nothing cached
+    ([5, 70], 4, 4, 128, 16),               # no grouping, a wider head
+    ([100, 3, 41], 14, 2, 64, 16),          # 7 query heads a KV head: summed 3 + 3 + 1 at a time
+    ([45, 9], 6, 3, 64, 8),                 # blocks narrower than an AVX-512 vector of scores
+    ([70, 33], 6, 2, 64, 32),               # blocks of several vectors of scores
 ])
+@pytest.mark.parametrize("threads", [1, 4])   # 4: more threads than sequences, a task per KV head
 def test_decode_attention_reads_the_paged_cache_in_place_as_the_reference_does(
-        ops, dtype, lens, heads, kv_heads, head_dim):
-    q, k_cache, v_cache, tables, seq_lens = paged(lens, heads, kv_heads, head_dim, dtype)
+        ops, dtype, lens, heads, kv_heads, head_dim, block, threads):
+    q, k_cache, v_cache, tables, seq_lens = paged(lens, heads, kv_heads, head_dim, dtype, block)
     expected = decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
-    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
+                                             head_dim ** -0.5)
+    finally:
+        torch.set_num_threads(before)
     assert got.dtype == dtype and got.shape == q.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
