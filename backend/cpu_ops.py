@@ -74,14 +74,19 @@ def plain(*parts: str):
     """PyTorch's operators inside for `parts` (of PARTS; none named: all), loaded or not: the
     baseline of benchmarks and tests."""
     global _off
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise ValueError(f"unknown part(s) {sorted(unknown)}: choose from {', '.join(PARTS)}")
+    check_parts(parts)
     before, _off = _off, _off | frozenset(parts or PARTS)
     try:
         yield
     finally:
         _off = before
+
+
+def check_parts(parts) -> None:
+    """Raises ValueError naming each of `parts` that is not one of PARTS."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}: choose from {', '.join(PARTS)}")
 
 
 def _build(cpu_flags: frozenset[str]):

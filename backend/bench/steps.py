@@ -155,10 +155,10 @@ def parse_args(argv: list[str] | None = None):
 
 def plain_parts(value: str) -> list[str]:
     parts = list(cpu_ops.PARTS) if value == "all" else [v for v in value.split(",") if v]
-    unknown = sorted(set(parts) - set(cpu_ops.PARTS))
-    if not parts or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown part(s) {unknown or [value]}: choose from {', '.join(cpu_ops.PARTS)}, or all")
+    try:
+        cpu_ops.check_parts(parts or [value])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}, or all") from None
     return parts
 
 
