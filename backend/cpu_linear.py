@@ -1,5 +1,6 @@
 """Linear layers for CPU inference: bf16 weights prepacked once for oneDNN, fp32 ones left
-plain; a decode step's few rows multiplied by cpu_ops' kernels in both.
+plain (with a packed copy for mid-sized batches); a decode step's few rows multiplied by
+cpu_ops' kernels in both.
 
 A plain `F.linear` hands oneDNN (or MKL) a row-major weight on every call, and the library
 re-lays it out into its blocked format each time; for the small matrix products of decoding
@@ -11,14 +12,15 @@ vLLM's CPU path and Inductor's freezing do too). Measured on one core (Xeon with
 Packing replaces the model's `nn.Linear` modules (their plain weights go) and gives the model a
 packed output head (`cpu_head`); a tied head is a packed copy of the embedding, which the lookup
 still needs in plain form (the one weight held twice: vocab x hidden, 56 MB for SmolLM2 in bf16).
-In fp32 (packed, oneDNN was slower here) FewRowsLinear takes each layer's weight as it is.
+In fp32 FewRowsLinear takes each layer's weight as it is (packed, oneDNN was slower at one row
+and at a prefill's), plus a packed copy for decode batches of 17 to 64 rows, where oneDNN wins.
 
 oneDNN's packed bf16 product reads the weight at about half the memory's speed for 1 to 8 rows
 (a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 4
 rows. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied
 head's plain weight is the embedding itself) and sends those rows to the kernel: every product
 and the head at one row 43 -> 26 ms on one core of the Xeon with AMX. Only where those copies
-fit in PLAIN_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
+fit in WEIGHT_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
 """
 from __future__ import annotations
 
@@ -35,13 +37,19 @@ from prefixgate.backend.loader import cpu_flags
 
 log = logging.getLogger("prefixgate.engine")
 
-# the plain weights kept beside the packed ones for the few-rows kernel take at most this share
-# of the memory the engine may use (SmolLM2: 212 MB)
-PLAIN_COPY_SHARE = 0.1
+# the second copies of the weights (bf16: the plain ones beside the packed, for the few-rows
+# kernel; fp32: packed ones beside the plain) take at most this share of the memory the engine
+# may use (SmolLM2: 212 MB in bf16, 538 MB in fp32)
+WEIGHT_COPY_SHARE = 0.1
 
 # fp32 stays plain: packed, its prefill was slower (5.36 vs 5.15 s for 2,400 tokens of SmolLM2
 # on one core) and its one-token product too (0.14 vs 0.12 ms at 576 x 1,536)
 PACKABLE = (torch.bfloat16,)
+# ... but between the few-rows kernel's rows and a prefill chunk's, oneDNN's product on a packed
+# copy beats MKL's sgemm on the plain weight: SmolLM2's products and head, one core of a Zen 3
+# EPYC, the two taking turns: 17 rows 91 vs 127 ms, 32 rows 142 vs 166, 64 rows 245 vs 261
+# (and 512 rows 1.80 vs 1.65 s: prefill stays MKL's)
+PACKED_ROWS_FP32 = range(cpu_ops.FEW_ROWS.stop, 65)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,16 +61,21 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 class FewRowsLinear(nn.Module):
     """An fp32 linear layer whose products of a decode step's few rows go through cpu_ops'
-    kernel (MKL's sgemm reads the weight at a third of the memory's speed for 4 to 8 rows);
-    the same weight, not a copy."""
+    kernel (MKL's sgemm reads the weight at a third of the memory's speed for 4 to 8 rows), on
+    the same weight, not a copy; with `keep_packed`, the rows of PACKED_ROWS_FP32 through
+    oneDNN on a packed copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_packed: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight
         self.bias = bias
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+                       if keep_packed else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS_FP32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return cpu_ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -97,21 +110,25 @@ def pack_linears(model: nn.Module) -> int:
     embedding = model.model.embed_tokens.weight
     if not can_pack(embedding.dtype, embedding.device):
         return 0
-    keep_plain = cpu_ops.multiplies_bf16_rows() and plain_copies_fit(model)
+    keep_plain = cpu_ops.multiplies_bf16_rows() and copies_fit(
+        model, "bf16 few-rows products", "the plain weights", tied_head=False)
     return _replace_linears(model, functools.partial(PackedLinear, keep_plain=keep_plain))
 
 
-def plain_copies_fit(model: nn.Module) -> bool:
-    """Whether every linear weight kept a second time (a tied head's is the embedding: no copy)
-    fits in PLAIN_COPY_SHARE of the memory this process may use; says so in the log if not."""
+def copies_fit(model: nn.Module, use: str, copies: str, tied_head: bool) -> bool:
+    """Whether a second copy of every linear weight (and of a tied head's, the embedding, if
+    `tied_head`) fits in WEIGHT_COPY_SHARE of the memory this process may use; if not, the log
+    says that `use` is off because `copies` would not fit."""
     extra = sum(m.weight.numel() * m.weight.element_size()
                 for m in model.modules() if isinstance(m, nn.Linear))
+    if tied_head and model.lm_head is None:
+        embedding = model.model.embed_tokens.weight
+        extra += embedding.numel() * embedding.element_size()
     memory = usable_memory_bytes()
-    if extra <= PLAIN_COPY_SHARE * memory:
+    if extra <= WEIGHT_COPY_SHARE * memory:
         return True
-    log.info("bf16 few-rows products off: the plain weights (%.2f GB) would take more than "
-             "%.0f%% of memory (%.1f GB); decode steps use the packed ones",
-             extra / 1e9, PLAIN_COPY_SHARE * 100, memory / 1e9)
+    log.info("%s off: %s (%.2f GB) would take more than %.0f%% of memory (%.1f GB)",
+             use, copies, extra / 1e9, WEIGHT_COPY_SHARE * 100, memory / 1e9)
     return False
 
 
@@ -152,5 +169,8 @@ def prepare_for_inference(model: nn.Module) -> int:
     cpu_ops.load(cpu_flags())
     packed = pack_linears(model)
     if not packed and weight.dtype == torch.float32 and cpu_ops.available():
-        _replace_linears(model, FewRowsLinear)
+        keep_packed = torch.backends.mkldnn.is_available() and copies_fit(
+            model, f"fp32 products of {PACKED_ROWS_FP32.start}-{PACKED_ROWS_FP32.stop - 1} rows "
+            "through oneDNN", "the packed weights", tied_head=True)
+        _replace_linears(model, functools.partial(FewRowsLinear, keep_packed=keep_packed))
     return packed

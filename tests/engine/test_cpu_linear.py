@@ -101,7 +101,7 @@ def test_plain_weights_are_kept_only_where_they_fit_in_memory(model_dir, monkeyp
     layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     if cpu_ops.multiplies_bf16_rows():          # a tiny model's copies fit in 10% of any machine
         assert all(layer.weight is not None for layer in layers)
-    monkeypatch.setattr(cpu_linear, "PLAIN_COPY_SHARE", 0.0)
+    monkeypatch.setattr(cpu_linear, "WEIGHT_COPY_SHARE", 0.0)
     tight, _ = load_model(model_dir, dtype="bfloat16")
     with caplog.at_level("INFO", logger="prefixgate.engine"):
         cpu_linear.prepare_for_inference(tight)
@@ -124,6 +124,42 @@ def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
         assert {m.weight.data_ptr() for m in layers} <= {p.data_ptr() for p in model.parameters()}
     assert not cpu_linear.can_pack(torch.float16, CPU)
     assert not cpu_linear.can_pack(torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_fp32_batches_past_the_few_rows_go_through_a_packed_copy_where_it_fits(
+        model_dir, monkeypatch, caplog):
+    """17-64 rows multiply a oneDNN-packed copy of each weight (the tied head's too), kept only
+    where the copies fit in memory; the logits are the plain model's either way."""
+    cpu_ops.load(cpu_flags())
+    if not cpu_ops.available():
+        pytest.skip("no compiled operators here: fp32 layers stay nn.Linear")
+    plain, config = load_model(model_dir, dtype="float32")
+    model, _ = load_model(model_dir, dtype="float32")
+    cpu_linear.prepare_for_inference(model)
+    layers = [m for m in model.modules() if isinstance(m, cpu_linear.FewRowsLinear)]
+    assert layers and all(m.packed is not None for m in layers)
+    monkeypatch.setattr(cpu_linear, "WEIGHT_COPY_SHARE", 0.0)
+    tight, _ = load_model(model_dir, dtype="float32")
+    with caplog.at_level("INFO", logger="prefixgate.engine"):
+        cpu_linear.prepare_for_inference(tight)
+    assert all(m.packed is None for m in tight.modules() if isinstance(m, cpu_linear.FewRowsLinear))
+    assert "fp32 products of 17-64 rows through oneDNN off" in caplog.text
+    layer = layers[0]
+    for rows in (1, 16, 17, 40, 64, 65, 300):   # the kernel, the packed copy, MKL
+        x = torch.randn(rows, layer.in_features)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)
+    plain.fuse_projections()
+    batch = {s: [3 + s, 50 + s] for s in range(20)}     # 20 sequences: a step of 40, then of 20
+
+    def two_steps(net) -> list[dict[int, torch.Tensor]]:
+        cache = PagedCache(config, dtype=torch.float32)
+        return [cache.step(net, batch), cache.step(net, {s: [7] for s in batch})]
+
+    for a, b in zip(two_steps(plain), two_steps(model), strict=True):
+        for s in batch:
+            torch.testing.assert_close(b[s], a[s], atol=2e-5, rtol=0)
 
 
 def test_bf16_is_the_default_only_where_the_cpu_multiplies_it(tmp_path):
