@@ -245,19 +245,24 @@ async def test_drafts_under_kv_pressure_with_preemptions_answer_as_without(model
     argv = engine_argv(model_dir, "--speculative-config", json.dumps(SPEC))
     argv[argv.index("--num-kv-blocks") + 1] = str(blocks)
     with ServerThread(argv) as tight:
-        answers = await asyncio.gather(*(ask(tight, kind, prompt, True)
-                                         for kind, prompt in LOOPING.values()))
-        for name, got in zip(LOOPING, answers):
-            ref = refs[name]
-            assert (got["text"], got["ids"], got["finish"], got["usage"]) == (
-                ref["text"], ref["ids"], ref["finish"], ref["usage"]), name
+        # a burst of five until one preempts (up to three): on a busy machine the requests can
+        # arrive spread out enough that the cache holds them all
+        for _ in range(3):
+            answers = await asyncio.gather(*(ask(tight, kind, prompt, True)
+                                             for kind, prompt in LOOPING.values()))
+            for name, got in zip(LOOPING, answers):
+                ref = refs[name]
+                assert (got["text"], got["ids"], got["finish"], got["usage"]) == (
+                    ref["text"], ref["ids"], ref["finish"], ref["usage"]), name
+            await settled(tight, blocks)
+            text = await scrape(tight)
+            preemptions = re.search(r"^prefixgate:num_preemptions_total (\S+)$", text, re.M)
+            if float(preemptions.group(1)) > 0:
+                break
+        assert float(preemptions.group(1)) > 0
         counters = await spec_counters(tight)
         check_invariants(counters)
         assert counters[SPEC_METRICS[2]] > 0
-        text = await scrape(tight)
-        preemptions = re.search(r"^prefixgate:num_preemptions_total (\S+)$", text, re.M)
-        assert float(preemptions.group(1)) > 0
-        await settled(tight, blocks)
 
 
 async def test_seeded_sampling_with_drafts_is_reproducible(spec):
