@@ -1,6 +1,5 @@
 """Linear layers for CPU inference: bf16 weights prepacked once for oneDNN, fp32 ones left
-plain (with a packed copy for mid-sized batches); a decode step's few rows multiplied by
-cpu_ops' kernels in both.
+plain; a decode step's few rows multiplied by cpu_ops' kernels in both.
 
 A plain `F.linear` hands oneDNN (or MKL) a row-major weight on every call, and the library
 re-lays it out into its blocked format each time; for the small matrix products of decoding
@@ -13,7 +12,7 @@ Packing replaces the model's `nn.Linear` modules (their plain weights go) and gi
 packed output head (`cpu_head`); a tied head is a packed copy of the embedding, which the lookup
 still needs in plain form (the one weight held twice: vocab x hidden, 56 MB for SmolLM2 in bf16).
 In fp32 FewRowsLinear takes each layer's weight as it is (packed, oneDNN was slower at one row
-and at a prefill's), plus a packed copy for decode batches of 17 to 64 rows, where oneDNN wins.
+and at a prefill's; between, the few-rows kernel beats it up to 56 rows: cpu_ops.FEW_ROWS).
 
 oneDNN's packed bf16 product reads the weight at about half the memory's speed for 1 to 8 rows
 (a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 4
@@ -38,18 +37,12 @@ from prefixgate.backend.loader import cpu_flags
 log = logging.getLogger("prefixgate.engine")
 
 # the second copies of the weights (bf16: the plain ones beside the packed, for the few-rows
-# kernel; fp32: packed ones beside the plain) take at most this share of the memory the engine
-# may use (SmolLM2: 212 MB in bf16, 538 MB in fp32)
+# kernel) take at most this share of the memory the engine may use (SmolLM2: 212 MB)
 WEIGHT_COPY_SHARE = 0.1
 
 # fp32 stays plain: packed, its prefill was slower (5.36 vs 5.15 s for 2,400 tokens of SmolLM2
 # on one core) and its one-token product too (0.14 vs 0.12 ms at 576 x 1,536)
 PACKABLE = (torch.bfloat16,)
-# ... but between the few-rows kernel's rows and a prefill chunk's, oneDNN's product on a packed
-# copy beats MKL's sgemm on the plain weight: SmolLM2's products and head, one core of a Zen 3
-# EPYC, the two taking turns: 17 rows 91 vs 127 ms, 32 rows 142 vs 166, 64 rows 245 vs 261
-# (and 512 rows 1.80 vs 1.65 s: prefill stays MKL's)
-PACKED_ROWS_FP32 = range(cpu_ops.FEW_ROWS.stop, 65)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -62,20 +55,15 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 class FewRowsLinear(nn.Module):
     """An fp32 linear layer whose products of a decode step's few rows go through cpu_ops'
     kernel (MKL's sgemm reads the weight at a third of the memory's speed for 4 to 8 rows), on
-    the same weight, not a copy; with `keep_packed`, the rows of PACKED_ROWS_FP32 through
-    oneDNN on a packed copy."""
+    the same weight, not a copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_packed: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight
         self.bias = bias
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-                       if keep_packed else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS_FP32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return cpu_ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -111,19 +99,16 @@ def pack_linears(model: nn.Module) -> int:
     if not can_pack(embedding.dtype, embedding.device):
         return 0
     keep_plain = cpu_ops.multiplies_bf16_rows() and copies_fit(
-        model, "bf16 few-rows products", "the plain weights", tied_head=False)
+        model, "bf16 few-rows products", "the plain weights")
     return _replace_linears(model, functools.partial(PackedLinear, keep_plain=keep_plain))
 
 
-def copies_fit(model: nn.Module, use: str, copies: str, tied_head: bool) -> bool:
-    """Whether a second copy of every linear weight (and of a tied head's, the embedding, if
-    `tied_head`) fits in WEIGHT_COPY_SHARE of the memory this process may use; if not, the log
-    says that `use` is off because `copies` would not fit."""
+def copies_fit(model: nn.Module, use: str, copies: str) -> bool:
+    """Whether a second copy of every linear weight fits in WEIGHT_COPY_SHARE of the memory
+    this process may use; if not, the log says that `use` is off because `copies` would not
+    fit."""
     extra = sum(m.weight.numel() * m.weight.element_size()
                 for m in model.modules() if isinstance(m, nn.Linear))
-    if tied_head and model.lm_head is None:
-        embedding = model.model.embed_tokens.weight
-        extra += embedding.numel() * embedding.element_size()
     memory = usable_memory_bytes()
     if extra <= WEIGHT_COPY_SHARE * memory:
         return True
@@ -169,8 +154,5 @@ def prepare_for_inference(model: nn.Module) -> int:
     cpu_ops.load(cpu_flags())
     packed = pack_linears(model)
     if not packed and weight.dtype == torch.float32 and cpu_ops.available():
-        keep_packed = torch.backends.mkldnn.is_available() and copies_fit(
-            model, f"fp32 products of {PACKED_ROWS_FP32.start}-{PACKED_ROWS_FP32.stop - 1} rows "
-            "through oneDNN", "the packed weights", tied_head=True)
-        _replace_linears(model, functools.partial(FewRowsLinear, keep_packed=keep_packed))
+        _replace_linears(model, FewRowsLinear)
     return packed

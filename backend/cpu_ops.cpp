@@ -601,32 +601,38 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
 namespace {
 
 constexpr int64_t kOutputsPerTile = 4;   // weight rows per tile: 4 x K fp32 stays in L1
-constexpr int64_t kInputsPerTile = 4;    // x rows per pass over the tile: 16 accumulators
-constexpr int64_t kTilesAhead = 4;       // the weight rows prefetched, in tiles ahead
+constexpr int64_t kInputsPerTile = 4;    // bf16: x rows per pass over the tile
+// fp32: x rows per pass over the tile, as many as keep the sums, the x rows and one weight
+// vector in registers (AVX2's 16: 3 x 4 + 3 + 1; with 4 rows the sums spilled, and batches of
+// 4-16 rows ran at ~35 GFLOP/s on a Zen 3 core)
+#ifdef CPU_CAPABILITY_AVX512
+constexpr int64_t kRowsPerPass = 4;
+#else
+constexpr int64_t kRowsPerPass = 3;
+#endif
 
-// y[m, n0:n0 + 4] = x[m] . w[n0:n0 + 4] for the kRows rows of x from m0, the sums in registers.
-// The tile's first pass (kPrefetch) asks for the weight rows kTilesAhead tiles on, so the
-// memory keeps streaming while the tile is multiplied by the other rows of x from L1.
-template <int64_t kRows, bool kPrefetch>
+// y[m, n0 + j * quarter] = x[m] . w[n0 + j * quarter] for j < 4 and the kRows rows of x from
+// m0, the sums in registers. A tile's weight rows come one from each quarter of the weight:
+// the memory is read as 4 long sequential streams, which one core's hardware prefetchers keep
+// far fuller than the 4 short streams of 4 neighbouring rows (SmolLM2's 576-wide rows, one x
+// row, a Zen 3 core: 28-30 GB/s against 16-18, and a plain sequential read's 18-20). Quarters
+// exactly 256 MB apart fell onto the same DRAM banks there (18.6 GB/s); weights' seldom are.
+template <int64_t kRows>
 void tile_product(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0,
-                  int64_t m0) {
+                  int64_t quarter, int64_t m0) {
   FloatVec acc[kRows][kOutputsPerTile];
   for (auto& row : acc) {
     for (auto& a : row) a = FloatVec(0.f);
   }
-  const float* ahead = w + std::min(n0 + kTilesAhead * kOutputsPerTile, N - kOutputsPerTile) * K;
+  const float* rows[kOutputsPerTile];
+  for (int64_t j = 0; j < kOutputsPerTile; ++j) rows[j] = w + (n0 + j * quarter) * K;
   int64_t k = 0;
   for (; k + FloatVec::size() <= K; k += FloatVec::size()) {
-    if constexpr (kPrefetch) {
-      for (int64_t j = 0; j < kOutputsPerTile; ++j) __builtin_prefetch(ahead + j * K + k);
-    }
-    FloatVec wv[kOutputsPerTile];
-    for (int64_t j = 0; j < kOutputsPerTile; ++j) wv[j] = FloatVec::loadu(w + (n0 + j) * K + k);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const FloatVec xv = FloatVec::loadu(x + (m0 + r) * K + k);
-      for (int64_t j = 0; j < kOutputsPerTile; ++j) {
-        acc[r][j] = at::vec::fmadd(xv, wv[j], acc[r][j]);
-      }
+    FloatVec xv[kRows];
+    for (int64_t r = 0; r < kRows; ++r) xv[r] = FloatVec::loadu(x + (m0 + r) * K + k);
+    for (int64_t j = 0; j < kOutputsPerTile; ++j) {
+      const FloatVec wv = FloatVec::loadu(rows[j] + k);
+      for (int64_t r = 0; r < kRows; ++r) acc[r][j] = at::vec::fmadd(xv[r], wv, acc[r][j]);
     }
   }
   float sums[kRows][kOutputsPerTile];
@@ -636,23 +642,22 @@ void tile_product(const float* x, const float* w, float* y, int64_t K, int64_t N
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t j = 0; j < kOutputsPerTile; ++j) {
       float sum = sums[r][j];
-      for (int64_t i = k; i < K; ++i) sum += x[(m0 + r) * K + i] * w[(n0 + j) * K + i];
-      y[(m0 + r) * N + n0 + j] = sum;
+      for (int64_t i = k; i < K; ++i) sum += x[(m0 + r) * K + i] * rows[j][i];
+      y[(m0 + r) * N + n0 + j * quarter] = sum;
     }
   }
 }
 
-// every row of x times one tile of weight rows: the first pass prefetches, the rest read L1
+// every row of x times one tile of weight rows: the first pass reads memory, the rest L1
 void tile_products(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                   int64_t n0) {
-  using Pass = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-  static constexpr Pass kFirst[] = {nullptr, tile_product<1, true>, tile_product<2, true>,
-                                    tile_product<3, true>, tile_product<4, true>};
-  static constexpr Pass kLater[] = {nullptr, tile_product<1, false>, tile_product<2, false>,
-                                    tile_product<3, false>, tile_product<4, false>};
-  for (int64_t m0 = 0; m0 < M; m0 += kInputsPerTile) {
-    const int64_t rows = std::min(kInputsPerTile, M - m0);
-    (m0 == 0 ? kFirst : kLater)[rows](x, w, y, K, N, n0, m0);
+                   int64_t n0, int64_t quarter) {
+  using Pass = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t);
+  static constexpr Pass kPasses[] = {nullptr, tile_product<1>, tile_product<2>, tile_product<3>,
+                                     tile_product<4>};
+  static_assert(kRowsPerPass < std::size(kPasses));
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    kPasses[std::min(kRowsPerPass, M - m0)](x, w, y, K, N, n0, quarter, m0);
   }
 }
 
@@ -661,8 +666,7 @@ void tile_products(const float* x, const float* w, float* y, int64_t M, int64_t 
 // x [M, K] @ weight [N, K]^T (+ bias [N]) in fp32, for the few rows of a decode step. MKL's
 // sgemm reads the weight at the memory's speed for one row but at a third of it for 4 to 8
 // (SmolLM2's products and head, one core: 8 rows 108 ms against 41 for one); here each tile of
-// weight rows is read from memory once, multiplied by every row of x while it sits in L1, and
-// the next tiles are prefetched meanwhile (8 rows: 51 ms).
+// weight rows is read from memory once and multiplied by every row of x while it sits in L1.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
                               std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
@@ -676,13 +680,11 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = N / kOutputsPerTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      tile_products(xp, wp, yp, M, K, N, tile * kOutputsPerTile);
-    }
+  const int64_t quarter = N / kOutputsPerTile;     // tile n0: rows n0 + j * quarter
+  at::parallel_for(0, quarter, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; ++n0) tile_products(xp, wp, yp, M, K, N, n0, quarter);
   });
-  for (int64_t n = tiles * kOutputsPerTile; n < N; ++n) {      // the last N % 4 weight rows
+  for (int64_t n = quarter * kOutputsPerTile; n < N; ++n) {    // the last N % 4 weight rows
     for (int64_t m = 0; m < M; ++m) {
       float sum = 0.f;
       for (int64_t i = 0; i < K; ++i) sum += xp[m * K + i] * wp[n * K + i];
@@ -702,6 +704,7 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
 namespace {
 
 constexpr int64_t kBF16PerLine = 32;     // bf16 per 64-byte line of the weight: one step
+constexpr int64_t kTilesAhead = 4;       // the weight rows prefetched, in tiles ahead
 
 // 16 bf16 widened to fp32 (a bf16 is an fp32's top half); lanes at and past `left` read as 0
 inline __m512 widen_bf16(const bf16* p) {

@@ -211,10 +211,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -
                                        scale)
 
 
-# rows for which few_rows_linear beats MKL's fp32 sgemm (SmolLM2's products and head, one core:
-# 2 rows 39 vs 46 ms, 8 rows 51 vs 108, 16 rows 73 vs 93 on the Xeon; one row 33-38 vs 38-43 ms
-# on a Zen 3 EPYC, where MKL's one-row product fell short of the memory's speed)
-FEW_ROWS = range(1, 17)
+# rows for which few_rows_linear beats MKL's fp32 sgemm and oneDNN's product on a prepacked
+# weight (SmolLM2's products, 30 layers, one Zen 3 core, ms, kernel / MKL / oneDNN): 1 row 15.8 /
+# 28.6 / 29.4, 8 rows 33.7 / 61.2 / 47.7, 24 rows 76 / 105 / 97, 48 rows 142 / 156 / 149, 56
+# rows 173 / 180 / 176; at 64 rows all three within 2% (195 / 191 / 195)
+FEW_ROWS = range(1, 57)
 # rows for which few_rows_linear_bf16 beats oneDNN's prepacked bf16 product: SmolLM2's products
 # and head, one core, Xeon with AMX: 1 row 26 vs 43 ms, 4 rows 30 vs 42, 7 rows 41 vs 43, 8 rows
 # 44 vs 43; a whole decode step gained at 4 rows (1.07-1.23x) but lost at 7 (0.87x)

@@ -126,28 +126,20 @@ def test_fp32_stays_plain_and_other_devices_are_not_packed(model_dir):
     assert not cpu_linear.can_pack(torch.bfloat16, torch.device("cuda"))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-def test_fp32_batches_past_the_few_rows_go_through_a_packed_copy_where_it_fits(
-        model_dir, monkeypatch, caplog):
-    """17-64 rows multiply a oneDNN-packed copy of each weight (the tied head's too), kept only
-    where the copies fit in memory; the logits are the plain model's either way."""
+def test_fp32_decode_batches_go_through_the_few_rows_kernel_and_prefill_through_mkl(model_dir):
+    """Up to FEW_ROWS' last row the kernel multiplies, past it F.linear; the same products
+    either way, and a batched model's logits are the plain model's."""
     cpu_ops.load(cpu_flags())
     if not cpu_ops.available():
         pytest.skip("no compiled operators here: fp32 layers stay nn.Linear")
     plain, config = load_model(model_dir, dtype="float32")
     model, _ = load_model(model_dir, dtype="float32")
     cpu_linear.prepare_for_inference(model)
-    layers = [m for m in model.modules() if isinstance(m, cpu_linear.FewRowsLinear)]
-    assert layers and all(m.packed is not None for m in layers)
-    monkeypatch.setattr(cpu_linear, "WEIGHT_COPY_SHARE", 0.0)
-    tight, _ = load_model(model_dir, dtype="float32")
-    with caplog.at_level("INFO", logger="prefixgate.engine"):
-        cpu_linear.prepare_for_inference(tight)
-    assert all(m.packed is None for m in tight.modules() if isinstance(m, cpu_linear.FewRowsLinear))
-    assert "fp32 products of 17-64 rows through oneDNN off" in caplog.text
-    layer = layers[0]
-    for rows in (1, 16, 17, 40, 64, 65, 300):   # the kernel, the packed copy, MKL
+    layer = next(m for m in model.modules() if isinstance(m, cpu_linear.FewRowsLinear))
+    last = cpu_ops.FEW_ROWS.stop - 1
+    for rows in (1, 16, 17, 40, last, last + 1, 300):
         x = torch.randn(rows, layer.in_features)
+        assert cpu_ops.takes_few_rows(x, layer.weight) == (rows <= last)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
                                    atol=1e-5, rtol=1e-5)
     plain.fuse_projections()

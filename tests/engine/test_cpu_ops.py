@@ -150,10 +150,11 @@ def test_decode_attention_refuses_what_it_cannot_read(ops):
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 56])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 13), (1536, 4)])
 def test_few_rows_linear_is_f_linear(ops, rows, in_features, out_features):
-    # 70 and 13: a vector's and a tile's tails; 4: one tile, nothing to prefetch beyond it
+    # 70 and 13: a vector's and a tile's tails (13: quarters of 3 rows, one left over); 4: one
+    # tile; rows: passes of 3 (AVX2) or 4 (AVX-512) x rows and their tails
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
