@@ -13,9 +13,10 @@ on the core do not count against it; `clock()`), in wall seconds at more:
               sustained rate, not the luckiest sample). Nothing is assumed from the CPU's flags:
               a CPU without bf16 dot products shows it as a slow bf16 peak.
   bandwidth   GB/s read from memory: a buffer far bigger than the last-level cache (4 x L3, at
-              least 1 GiB) summed, multiplied by a vector (a GEMV: decode's access pattern) and
-              copied half onto half (read + write counted); the median of repeats, the best
-              kernel's.
+              least 1 GiB) summed, multiplied by a vector (a GEMV: decode's access pattern; MKL's,
+              and cpu_ops' few-rows kernel, which reads 4 long streams at once: on a Zen 3 core
+              27-30 GB/s where one sequential stream gave 18-22) and copied half onto half (read
+              + write counted); the median of repeats, the best kernel's.
 Then, for `--model` (its shape read as the engine's loader reads it, weights not loaded; FLOPs
 from bench/flops.py's PrefillFlops, attention included), the floors, in each dtype:
   prefill of N tokens   FLOPs(N) / GEMM peak
@@ -42,8 +43,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prefixgate.backend import cpu_ops
 from prefixgate.backend.bench.flops import PrefillFlops
 from prefixgate.backend.bench.script import int_list, run_report_save
+from prefixgate.backend.loader import cpu_flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
@@ -209,6 +212,12 @@ def measure_bandwidth(effort: Effort, l3_bytes: int | None) -> dict:
     kernels = {"sum": (lambda: buf.sum(), nbytes),
                "gemv": (lambda: F.linear(vec, buf), nbytes),
                "copy": (lambda: buf[:half].copy_(buf[half:]), nbytes)}   # half read, half written
+    if cpu_ops.load(cpu_flags()):          # a GEMV reading 4 long streams at once
+        # 4 rows fewer: the 1 GiB buffer's quarters lie 256 MB apart, a distance that put the
+        # streams on the same DRAM banks on a Zen 3 (18.6 GB/s; 4 rows fewer, 26.8)
+        uneven = buf[:rows - 4]
+        kernels["gemv_streams"] = (lambda: cpu_ops.few_rows_linear(vec, uneven),
+                                   uneven.numel() * 4)
     effort = Effort(repeats=effort.repeats, sample_s=0)   # one pass per sample: seconds long
     out = {name: nbytes_ / _median_call_s(fn, effort) / 1e9
            for name, (fn, nbytes_) in kernels.items()}

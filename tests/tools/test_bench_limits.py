@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from prefixgate.backend import cpu_ops
 from prefixgate.backend.bench import limits
 
 
@@ -30,6 +31,9 @@ def test_quick_probe_measures_positive_peaks_and_bandwidth(probe):
     assert set(lim["gemm_gflops"]) == {"float32", "bfloat16"}
     assert all(g > 0 for g in lim["gemm_gflops"].values())
     assert lim["bandwidth_gbs"] > 0 and all(v > 0 for v in lim["bandwidth"]["gbs"].values())
+    # the engine's GEMV that reads 4 streams at once, where its compiled operators build
+    assert ("gemv_streams" in lim["bandwidth"]["gbs"]) == cpu_ops.available()
+    assert {"sum", "gemv", "copy"} <= set(lim["bandwidth"]["gbs"])
     # every call measured, or the reason it could not be (no oneDNN for a dtype here)
     assert {r["call"] for r in lim["gemm"]} == {"linear", "mkldnn_prepacked"}
     assert all(("gflops" in r) != ("error" in r) for r in lim["gemm"])
