@@ -19,7 +19,7 @@ oneDNN's packed bf16 product reads the weight at about half the memory's speed f
 rows. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied
 head's plain weight is the embedding itself) and sends those rows to the kernel: every product
 and the head at one row 43 -> 26 ms on one core of the Xeon with AMX. Only where those copies
-fit in WEIGHT_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
+fit in PLAIN_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ from prefixgate.backend.loader import cpu_flags
 
 log = logging.getLogger("prefixgate.engine")
 
-# the second copies of the weights (bf16: the plain ones beside the packed, for the few-rows
-# kernel) take at most this share of the memory the engine may use (SmolLM2: 212 MB)
-WEIGHT_COPY_SHARE = 0.1
+# the plain weights kept beside the packed ones for the few-rows kernel take at most this share
+# of the memory the engine may use (SmolLM2: 212 MB)
+PLAIN_COPY_SHARE = 0.1
 
 # fp32 stays plain: packed, its prefill was slower (5.36 vs 5.15 s for 2,400 tokens of SmolLM2
 # on one core) and its one-token product too (0.14 vs 0.12 ms at 576 x 1,536)
@@ -98,22 +98,21 @@ def pack_linears(model: nn.Module) -> int:
     embedding = model.model.embed_tokens.weight
     if not can_pack(embedding.dtype, embedding.device):
         return 0
-    keep_plain = cpu_ops.multiplies_bf16_rows() and copies_fit(
-        model, "bf16 few-rows products", "the plain weights")
+    keep_plain = cpu_ops.multiplies_bf16_rows() and plain_copies_fit(model)
     return _replace_linears(model, functools.partial(PackedLinear, keep_plain=keep_plain))
 
 
-def copies_fit(model: nn.Module, use: str, copies: str) -> bool:
-    """Whether a second copy of every linear weight fits in WEIGHT_COPY_SHARE of the memory
-    this process may use; if not, the log says that `use` is off because `copies` would not
-    fit."""
+def plain_copies_fit(model: nn.Module) -> bool:
+    """Whether every linear weight kept a second time (a tied head's is the embedding: no copy)
+    fits in PLAIN_COPY_SHARE of the memory this process may use; says so in the log if not."""
     extra = sum(m.weight.numel() * m.weight.element_size()
                 for m in model.modules() if isinstance(m, nn.Linear))
     memory = usable_memory_bytes()
-    if extra <= WEIGHT_COPY_SHARE * memory:
+    if extra <= PLAIN_COPY_SHARE * memory:
         return True
-    log.info("%s off: %s (%.2f GB) would take more than %.0f%% of memory (%.1f GB)",
-             use, copies, extra / 1e9, WEIGHT_COPY_SHARE * 100, memory / 1e9)
+    log.info("bf16 few-rows products off: the plain weights (%.2f GB) would take more than "
+             "%.0f%% of memory (%.1f GB); decode steps use the packed ones",
+             extra / 1e9, PLAIN_COPY_SHARE * 100, memory / 1e9)
     return False
 
 

@@ -625,7 +625,6 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
 namespace {
 
 constexpr int64_t kOutputsPerTile = 4;   // weight rows per tile: 4 x K fp32 stays in L1
-constexpr int64_t kInputsPerTile = 4;    // bf16: x rows per pass over the tile
 // fp32: x rows per pass over the tile, as many as keep the sums, the x rows and one weight
 // vector in registers (AVX2's 16: 3 x 4 + 3 + 1; with 4 rows the sums spilled, and batches of
 // 4-16 rows ran at ~35 GFLOP/s on a Zen 3 core)
@@ -728,6 +727,7 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
 namespace {
 
 constexpr int64_t kBF16PerLine = 32;     // bf16 per 64-byte line of the weight: one step
+constexpr int64_t kInputsPerTile = 4;    // x rows per pass over the tile: 16 sums
 constexpr int64_t kTilesAhead = 4;       // the weight rows prefetched, in tiles ahead
 
 // 16 bf16 widened to fp32 (a bf16 is an fp32's top half); lanes at and past `left` read as 0

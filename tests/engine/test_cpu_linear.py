@@ -101,7 +101,7 @@ def test_plain_weights_are_kept_only_where_they_fit_in_memory(model_dir, monkeyp
     layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     if cpu_ops.multiplies_bf16_rows():          # a tiny model's copies fit in 10% of any machine
         assert all(layer.weight is not None for layer in layers)
-    monkeypatch.setattr(cpu_linear, "WEIGHT_COPY_SHARE", 0.0)
+    monkeypatch.setattr(cpu_linear, "PLAIN_COPY_SHARE", 0.0)
     tight, _ = load_model(model_dir, dtype="bfloat16")
     with caplog.at_level("INFO", logger="prefixgate.engine"):
         cpu_linear.prepare_for_inference(tight)
