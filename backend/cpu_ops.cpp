@@ -12,7 +12,12 @@
 //
 // Every elementwise function takes contiguous rows ([T, H]: T tokens) of fp32 or bf16 except
 // where said, and spreads the rows over torch's intra-op threads.
-#include <torch/extension.h>
+// The few headers used, not <torch/extension.h>: on one Zen 3 core that header alone took 34 s
+// of a 43 s build, and with these the build takes 17 (a first `prefixgate serve` waits for it).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -74,21 +79,21 @@ inline FloatVec exp_for(FloatVec x) {
   }
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, name,
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
               " must be float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be contiguous [T, H]");
 }
 
-void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
               "weight must be [H] of x's dtype");
 }
 
 // Runs fn<T>() with T the C++ type of x's dtype (float or bf16; check_rows has checked it).
 template <typename Fn>
-void with_type(const torch::Tensor& x, Fn&& fn) {
-  if (x.scalar_type() == torch::kFloat) {
+void with_type(const at::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == at::kFloat) {
     fn(float{});
   } else {
     fn(bf16{});
@@ -183,10 +188,10 @@ namespace {
 
 // RMSNorm of each row of `rows` [T, H] with weight [H]; where `add` is given (x's shape and
 // dtype), rows += add first, in place, row by row in the same pass.
-torch::Tensor normalize(torch::Tensor rows, const torch::Tensor* add, const torch::Tensor& weight,
+at::Tensor normalize(at::Tensor rows, const at::Tensor* add, const at::Tensor& weight,
                         double eps) {
   check_weight(weight, rows);
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   auto w = weight.contiguous();
   const int64_t n = rows.size(1);
   with_type(rows, [&](auto type) {
@@ -208,7 +213,7 @@ torch::Tensor normalize(torch::Tensor rows, const torch::Tensor* add, const torc
 }  // namespace
 
 // RMSNorm of each row of x [T, H] with weight [H].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   return normalize(x, nullptr, weight, eps);
 }
@@ -216,7 +221,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // residual += x (rounded to the dtype, as `residual + x` is), then RMSNorm of the sum: the
 // residual stream's add and the next norm in one pass. Returns the normalized rows; residual is
 // updated in place.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
                            double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
@@ -228,12 +233,12 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // Rotary embedding in place, Hugging Face's rotate_half layout: the first `heads` heads of
 // qkv [T, heads_total, D] (any row stride, heads contiguous) rotate by cos/sin [T, D / 2] fp32:
 // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-void rope_(torch::Tensor qkv, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(qkv.dim() == 3 && (qkv.scalar_type() == torch::kBFloat16 ||
-                                 qkv.scalar_type() == torch::kFloat),
+void rope_(at::Tensor qkv, int64_t heads, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(qkv.dim() == 3 && (qkv.scalar_type() == at::kBFloat16 ||
+                                 qkv.scalar_type() == at::kFloat),
               "qkv: float32 or bfloat16 [T, H, D]");
   TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "qkv's heads must be dense");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "cos/sin: contiguous float32 [T, D / 2]");
   const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2, row_stride = qkv.stride(0);
   TORCH_CHECK(cos.size(0) == T_ && cos.size(1) == half, "cos/sin: [T, D / 2]");
@@ -253,11 +258,11 @@ void rope_(torch::Tensor qkv, int64_t heads, torch::Tensor cos, torch::Tensor si
 }
 
 // SwiGLU's gate: x [T, 2I] holds gate and up side by side; returns silu(gate) * up [T, I].
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x's last dimension must be even");
   const int64_t n = x.size(1) / 2;
-  auto out = torch::empty({x.size(0), n}, x.options());
+  auto out = at::empty({x.size(0), n}, x.options());
   with_type(x, [&](auto type) {
     using T = decltype(type);
     const T* xp = x.data_ptr<T>();
@@ -525,20 +530,20 @@ void attend_heads(const float* q_rows, int64_t heads, int64_t G, int64_t D, cons
 // row stride), k_cache/v_cache [blocks, block_size, Hkv, D] of q's dtype, block_tables [S, *]
 // int32, seq_lens [S] int32; H a multiple of Hkv (query head h reads KV head h / (H / Hkv)).
 // Returns [S, H, D] of q's dtype; a sequence with nothing cached gets zeros.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
+                                     at::Tensor v_cache, at::Tensor block_tables,
+                                     at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: [S, H, D] with dense heads");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == q.scalar_type() &&
                   v_cache.scalar_type() == q.scalar_type(),
               "k_cache/v_cache: contiguous [blocks, block_size, Hkv, D] of q's dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.dim() == 2 &&
-                  block_tables.is_contiguous() && seq_lens.scalar_type() == torch::kInt &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && seq_lens.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous(),
               "block_tables [S, *] and seq_lens [S]: contiguous int32");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
@@ -551,7 +556,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= max_blocks * block_size,
                 "seq_lens[", s, "] does not fit its block table");
   }
-  auto out = torch::empty({S, H, D}, q.options());
+  auto out = at::empty({S, H, D}, q.options());
   with_type(q, [&](auto type) {
     using T = decltype(type);
     const T* qp = q.data_ptr<T>();
@@ -582,8 +587,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 // caches [blocks, block_size, Hkv, D] (slot = block * block_size + offset; negative: skipped, a
 // padded row). In PyTorch (kernels/write_kv_ref.py) this was a dozen operators per layer, a
 // check of the slots and two index_put, ~60 us of a decode step's layer; here one copy per row.
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-               torch::Tensor slot_mapping) {
+void write_kv_(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+               at::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
@@ -598,14 +603,14 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
   TORCH_CHECK(v.size(0) == k.size(0) && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == k.size(0) && slot_mapping.is_contiguous(),
               "one slot per token");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong || slot_mapping.scalar_type() == torch::kInt,
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
               "slot_mapping must be int64 or int32");
   const int64_t T = k.size(0), bytes = row * k.element_size();
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const bool wide = slot_mapping.scalar_type() == torch::kLong;
+  const bool wide = slot_mapping.scalar_type() == at::kLong;
   const int64_t* slots64 = wide ? slot_mapping.data_ptr<int64_t>() : nullptr;
   const int32_t* slots32 = wide ? nullptr : slot_mapping.data_ptr<int32_t>();
   for (int64_t t = 0; t < T; ++t) {             // all checked before any row is written
@@ -690,16 +695,16 @@ void tile_products(const float* x, const float* w, float* y, int64_t M, int64_t 
 // sgemm reads the weight at the memory's speed for one row but at a third of it for 4 to 8
 // (SmolLM2's products and head, one core: 8 rows 108 ms against 41 for one); here each tile of
 // weight rows is read from memory once and multiplied by every row of x while it sits in L1.
-torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
-                              std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+at::Tensor few_rows_linear(at::Tensor x, at::Tensor weight,
+                              std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "x and weight must be float32");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
                   weight.is_contiguous() && weight.size(1) == x.size(1),
               "x [M, K] and weight [N, K] must be contiguous");
   TORCH_CHECK(weight.size(0) >= kOutputsPerTile, "weight needs at least ", kOutputsPerTile, " rows");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -715,7 +720,7 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
     }
   }
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: float32 [N]");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "bias: float32 [N]");
     y.add_(*bias);
   }
   return y;
@@ -816,9 +821,9 @@ void tile_products_bf16(const float* x, int64_t x_stride, const bf16* w, const b
 // (row-major) weight, N a multiple of 4. oneDNN's prepacked product at a few rows reads the weight
 // well below the memory's speed; here, as in few_rows_linear, each tile of 4 weight rows is read
 // once for every row of x (widened to fp32 once per call) and the tiles ahead are prefetched.
-torch::Tensor few_rows_linear_bf16(torch::Tensor x, torch::Tensor weight,
-                                   std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+at::Tensor few_rows_linear_bf16(at::Tensor x, at::Tensor weight,
+                                   std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "x and weight must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 &&
                   weight.is_contiguous() && weight.size(1) == x.size(1),
@@ -828,7 +833,7 @@ torch::Tensor few_rows_linear_bf16(torch::Tensor x, torch::Tensor weight,
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const bf16* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == N &&
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N &&
                     bias->is_contiguous(),
                 "bias: contiguous bfloat16 [N]");
     bp = bias->data_ptr<bf16>();
@@ -840,7 +845,7 @@ torch::Tensor few_rows_linear_bf16(torch::Tensor x, torch::Tensor weight,
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t i = 0; i < K; ++i) xf[m * x_stride + i] = float(xp[m * K + i]);
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const bf16* wp = weight.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, N / kOutputsPerTile, 16, [&](int64_t begin, int64_t end) {
@@ -851,6 +856,8 @@ torch::Tensor few_rows_linear_bf16(torch::Tensor x, torch::Tensor weight,
   return y;
 }
 #endif  // CPU_CAPABILITY_AVX512
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
