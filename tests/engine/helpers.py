@@ -281,6 +281,19 @@ def load_hf_gguf(path: Path, dtype: torch.dtype = torch.float32):
     return model
 
 
+def as_bfloat16_build(model):
+    """`model` (transformers', float32) as a bfloat16 load of its file makes it: built anew in
+    bfloat16 (its rotary frequencies computed in float32, as they are then) and the float32
+    weights loaded into it, rounded once. The same weights and buffers as
+    `load_hf_gguf(path, torch.bfloat16)` without parsing the file again."""
+    from transformers import AutoModelForCausalLM
+
+    built = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16).eval()
+    built.load_state_dict(model.state_dict())
+    built.generation_config.eos_token_id = None
+    return built
+
+
 def teacher_forced_top1(model, config, prompt: list[int], tokens: list[int],
                         kv_dtype: torch.dtype) -> list[int]:
     """Our model's top-1 next token at each position of `tokens`, given `prompt` and the tokens

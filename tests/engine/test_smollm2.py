@@ -20,6 +20,7 @@ from prefixgate.backend.engine import LLMEngine
 from prefixgate.common.tokenizer import Tokenizer
 from prefixgate.proxy.doctor.prompt import common_prefix
 from tests.engine.helpers import (
+    as_bfloat16_build,
     generate,
     greedy,
     hf_greedy,
@@ -67,19 +68,22 @@ def prompts(engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(prompts) -> dict[torch.dtype, list[list[int]]]:
-    """transformers' greedy tokens for each prompt, in float32 and in bfloat16: one model
-    loaded at a time, each in its own dtype (a float32 model cast to bfloat16 would keep its
-    rotary frequencies in bfloat16, which a bfloat16 load does not). One thread, as every run
-    here (the module's fixtures are made before the tests' `one_torch_thread`, and a bfloat16
-    GEMM split over two threads rounds in another order)."""
+    """transformers' greedy tokens for each prompt, in float32 and in bfloat16. The GGUF is
+    read once (transformers parses it in Python: ~16 s a load); the bfloat16 model is a fresh
+    one built in bfloat16 with the float32 weights loaded into it, as a bfloat16 load of the
+    file makes it (a float32 model cast to bfloat16 would keep its rotary frequencies in
+    bfloat16, which a bfloat16 build does not; tests/engine/helpers.py). One thread, as every
+    run here (the module's fixtures are made before the tests' `one_torch_thread`, and a
+    bfloat16 GEMM split over two threads rounds in another order)."""
     tokens, threads = {}, torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        for dtype in (torch.float32, torch.bfloat16):
-            model = load_hf_gguf(smollm2_path(), dtype)
-            tokens[dtype] = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
-            del model
+        model = load_hf_gguf(smollm2_path(), torch.float32)
+        tokens[torch.float32] = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+        model = as_bfloat16_build(model)
+        tokens[torch.bfloat16] = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+        del model
     torch.set_num_threads(threads)
     return tokens
 
