@@ -181,7 +181,7 @@ def test_quick_run_measures_both_engines_side_by_side(tmp_path, capsys):
         # every process of the tree on core 0 from launch, and no part used more than it
         assert all(p["cores"] == [0] for p in figures["threads"]["ready"])
         assert all(p["cpu_s"] <= p["wall_s"] * 1.05 + 0.2 for p in figures["cpu"].values())
-        assert set(figures["vllm_client"]) == {"random@2", "prefix_repetition@2"}
+        assert set(figures["vllm_client"]) == {"prefix_repetition@2"}
         assert all(run["completed"] == 4 and run["request_throughput"] > 0
                    for run in figures["vllm_client"].values())
         assert figures["of_floor"]["ttft"]["256"]["cold"] > 0
@@ -193,7 +193,7 @@ def test_quick_run_measures_both_engines_side_by_side(tmp_path, capsys):
         "decode tok/s, batch 1", "decode tok/s, batch 4",
         "short-request p95 TTFT behind a long prompt",
         "memory, process tree PSS", "memory, process tree RSS"]
-    assert "vllm client random@2: TTFT p95" in [row["label"] for row in result["rows"]]
+    assert "vllm client prefix_repetition@2: TTFT p95" in [row["label"] for row in result["rows"]]
     assert result["rows"][0]["floor"] > 0 and set(result["rows"][0]["of_floor"]) == {"ours",
                                                                                      "vllm"}
     for row in result["rows"]:
