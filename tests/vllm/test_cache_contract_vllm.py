@@ -13,10 +13,9 @@ import aiohttp
 import pytest
 
 from prefixgate.proxy.testing.vllm_install import prepare_model
-from tests.plugins.helpers import blocks, follow_up, metrics, sample, until, up
+from tests.plugins.helpers import follow_up, metrics, sample, until, up
 from tests.vllm.conftest import SERVED_NAME
-from tests.vllm.test_kv_events_vllm import KEYS as KEYS_PER_BLOCK
-from tests.vllm.test_kv_events_vllm import ROUTE, SETTLE_S, system_prompt
+from tests.vllm.test_kv_events_vllm import ROUTE, SETTLE_S, stored, system_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -62,8 +61,7 @@ async def test_per_key_salts_divide_vllms_cache_and_route_each_tenant_home(tenan
         home, _, _ = await chat(client, gw, "a", doc)
         # vLLM's salted events reach the index under a's salted chain: a's follow-up is
         # routed home on them and vLLM serves its prefix from cache
-        first = await until(client, gw, lambda m: blocks(m, home) >= blocks(
-            before, home) + 3 * KEYS_PER_BLOCK, 2 * SETTLE_S)
+        first = await stored(client, gw, home, before)
         upstream, outcome, cached = await chat(client, gw, "a", follow_up(doc))
         assert (upstream, outcome) == (home, "cache")
         assert cached >= 3 * 128
@@ -87,8 +85,7 @@ async def test_a_shared_cache_lets_one_tenant_hit_anothers_prefix(tenants_gatewa
         before = await until(client, gw, lambda m: up(m, "vllm0") and up(m, "vllm1"),
                              SETTLE_S)
         home, _, _ = await chat(client, gw, "a", doc)
-        await until(client, gw, lambda m: blocks(m, home) >= blocks(
-            before, home) + 3 * KEYS_PER_BLOCK, 2 * SETTLE_S)
+        await stored(client, gw, home, before)
         upstream, outcome, cached = await chat(client, gw, "b", follow_up(doc))
     assert (upstream, outcome) == (home, "cache") and cached >= 3 * 128
 
