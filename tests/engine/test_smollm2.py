@@ -30,7 +30,9 @@ from tests.engine.helpers import (
 )
 from tests.helpers import ServerThread
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# one xdist worker runs this module, so its fixtures (the engine, transformers' reference) are
+# built once
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("smollm2")]
 
 GREEDY_TOKENS = 40
 FP8_TOKENS = 256
