@@ -18,9 +18,6 @@ from prefixgate.common.gguf_file import open_gguf
 from prefixgate.common.tokenizer import IncrementalDecoder, Tokenizer, TokenizerLoadError
 from tests.engine.gguf_vocab import SPM_CONTROL, smollm2_path, write_spm_gguf, write_vocab_copy
 
-# one xdist worker runs this module, so its fixture (transformers' tokenizer) is built once
-pytestmark = pytest.mark.xdist_group("test_gguf_tokenizer")
-
 LLAMA_CPP = json.loads((Path(__file__).parent / "data" / "llama_cpp_ids.json").read_text("utf-8"))
 SMOLLM2_TEXTS = [case["text"] for case in LLAMA_CPP["smollm2"]]
 SPM_TEXTS = LLAMA_CPP["spm"]["texts"]

@@ -30,9 +30,7 @@ from tests.engine.helpers import (
 )
 from tests.helpers import ServerThread
 
-# one xdist worker runs this module, so its fixtures (the engine, transformers' reference) are
-# built once
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("smollm2")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY_TOKENS = 40
 FP8_TOKENS = 256

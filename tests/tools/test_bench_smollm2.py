@@ -21,9 +21,6 @@ from prefixgate.proxy.bench.prompts import Lengths, PromptSet, PromptSpec, load_
 from prefixgate.proxy.testing.standin import Behaviour, StandIn
 from tests.tools.helpers import by_title, doctor, run_cli
 
-# one xdist worker runs this module, so its fixture (`prefixgate serve` on SmolLM2) is built once
-pytestmark = pytest.mark.xdist_group("test_bench_smollm2")
-
 SERVE_START_S = 300
 
 

@@ -15,9 +15,6 @@ from prefixgate.plugins.sim.fleet_trace import SyntheticTrace, TraceConfig
 from prefixgate.plugins.sim.route_indexes import CacheOracle, EventFedIndex, install
 from tests.engine.test_block_manager import computed as cached_prompt
 
-# one xdist worker runs this module, so its fixture (the quick indexes bench) is built once
-pytestmark = pytest.mark.xdist_group("test_fleet_sim_events")
-
 BS = 4
 
 

@@ -16,9 +16,6 @@ from prefixgate.proxy.bench.quality_prompts import Suite, long_questions, quotes
 from prefixgate.proxy.bench.quality_verdict import Thresholds, compare, parse_thresholds
 from tests.tools.helpers import run_cli
 
-# one xdist worker runs this module, so its fixture (three engines' gate runs) is built once
-pytestmark = pytest.mark.xdist_group("test_quality_gate")
-
 SUITE = Suite(prompts=4, max_tokens=8, contexts=(256, 512), questions=2, answer_tokens=8)
 FAULT = ["--debug-kv-mantissa-bits", "1"]
 

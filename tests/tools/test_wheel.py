@@ -25,9 +25,6 @@ import pytest
 from prefixgate.common.runtime import free_port
 from prefixgate.proxy.cli import build_parser
 
-# one xdist worker runs this module, so its fixture (the built wheel's venv) is built once
-pytestmark = pytest.mark.xdist_group("test_wheel")
-
 ROOT = Path(__file__).resolve().parents[2]
 # what the copy of the checkout leaves out: build outputs, caches, environments, the tests
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
