@@ -126,7 +126,8 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
         m_after = await metrics()
         errors = [t.error for t in (first, second) if t.error]
         found = [checks.prefix_cache(first.ttft, second.ttft, m_mid, m_after, errors)]
-        stream = await trace_stream(session, url, {**probe, "model": model,
+        # greedy: a sampled answer may end after a token or two, too few events to judge
+        stream = await trace_stream(session, url, {**probe, "model": model, "temperature": 0,
                                                    "max_tokens": args.max_tokens}, headers)
         m_end = await metrics()
         found.insert(0, checks.streaming(stream))
