@@ -102,7 +102,7 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
     if ns.served_model_name and not all(ns.served_model_name):
         raise ConfigError("--served-model-name", "a name must not be empty")
     tracing_cfg = tracing_config(ns)
-    return ServerArgs(engine=engine_args(ns), host=ns.host, port=ns.port,
+    return ServerArgs(engine=engine_args(ns), host=ns.host, port=ns.port, listen_fd=ns.listen_fd,
                       served_model_names=ns.served_model_name,
                       default_max_tokens=ns.default_max_tokens,
                       warm_up=not ns.skip_server_warmup, tracing=tracing_cfg)

@@ -416,6 +416,7 @@ class ServerArgs:
     engine: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 8000                             # 0: a free one
+    listen_fd: int | None = None                 # serve on this inherited listening socket
     served_model_names: list[str] | None = None  # None: the engine's own name
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     warm_up: bool = True                         # False: --skip-server-warmup
@@ -472,6 +473,9 @@ FLAGS = _filled((     # in --help's order
          f"{DEFAULT_MODEL} (the default), demo (tiny, random weights)"),
     Flag("host", scope=SERVER),
     Flag("port", int, scope=SERVER),
+    Flag("listen_fd", int, metavar="FD", scope=SERVER,
+         help="serve on this listening socket, inherited from the launcher, instead of "
+         "binding --host/--port: the launcher held the port from the moment it chose it"),
     Flag("tokenizer", metavar="MODEL", scope=ENGINE,
          help="take the tokenizer and chat template from here instead: a directory with "
          "tokenizer.json, a .gguf file, or a built-in name (default: --model's)"),

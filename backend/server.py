@@ -52,6 +52,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -539,11 +540,12 @@ async def start_server(args: ServerArgs | None = None, *, host: str | None = Non
                        port: int | None = None, engine: LLMEngine | None = None,
                        wait_for_warmup: bool = True) -> RunningServer:
     """Build the engine (unless given) and serve it in this event loop; `host` and `port`
-    override `args`' (port 0 picks a free one). Returns once the warm-up has run (WarmupError
-    if it failed), or with `wait_for_warmup=False` as soon as it listens
-    (`server.engine.wait_ready()` then waits)."""
+    override `args`' (port 0 picks a free one; `args.listen_fd`: serve on that socket).
+    Returns once the warm-up has run (WarmupError if it failed), or with
+    `wait_for_warmup=False` as soon as it listens (`server.engine.wait_ready()` then waits)."""
     args = args or ServerArgs()
     host = host or args.host
+    sock = listener(args.listen_fd)         # a bad --listen-fd fails before the model loads
     core = engine or await asyncio.to_thread(LLMEngine, args.engine)
     async_engine = AsyncEngine(core, warm_up=args.warm_up)
     kv = kv_transfer.KVTransfer(async_engine, host)
@@ -554,7 +556,8 @@ async def start_server(args: ServerArgs | None = None, *, host: str | None = Non
     await kv.start()
     # start_app cancels the handler of a client that hangs up, which aborts its sequence
     try:
-        runner, url = await start_app(server.app(), host, args.port if port is None else port)
+        runner, url = await start_app(server.app(), host, args.port if port is None else port,
+                                      sock=sock)
     except BaseException:
         await kv.close()
         if engine is None:          # ours: let its tier and KV event sockets go
@@ -570,6 +573,20 @@ async def start_server(args: ServerArgs | None = None, *, host: str | None = Non
             await running.close()
             raise
     return running
+
+
+def listener(fd: int | None) -> socket.socket | None:
+    """The listening socket a launcher handed down as file descriptor `fd` (--listen-fd)."""
+    if fd is None:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise OSError(f"--listen-fd {fd}: not an open socket ({e.strerror})") from None
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0:
+        sock.detach()
+        raise OSError(f"--listen-fd {fd}: the socket is not listening")
+    return sock
 
 
 async def serve_forever(args: ServerArgs) -> None:

@@ -8,12 +8,14 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from prefixgate.common.errors import HTTPError, shape_for
+from prefixgate.common.listeners import held_by
 
 log = logging.getLogger("prefixgate.server")
 
@@ -108,36 +110,63 @@ def json_errors_middleware(
 
 
 async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30, proc=None, *,
-                     what: str | None = None, interval: float = 0.1) -> float:
+                     what: str | None = None, interval: float = 0.1,
+                     own_port: bool = True) -> float:
     """Poll `url + path` until it answers 200; RuntimeError after `timeout` seconds, or as
     soon as `proc` (the child serving `url`: an asyncio subprocess or a subprocess.Popen) has
     exited. `what` names the server in those errors (default: its URL). Returns when
-    (time.monotonic()) it first answered at all: a server listens before it is ready."""
+    (time.monotonic()) it first answered at all: a server listens before it is ready.
+    With `proc` and `own_port`, only its own listener counts: another process that took the
+    port between its choice and the child's bind (common/listeners.py) is never taken for it.
+    (`own_port=False` for a child whose port some other process serves, e.g. a container's.)"""
     what = what or url
     deadline = time.monotonic() + timeout
-    answered = None
+    answered, stranger = None, ""
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             code = None if proc is None else proc.poll() if hasattr(proc, "poll") else \
                 proc.returncode
             if code is not None:
-                raise RuntimeError(f"{what} exited with {code}")
+                raise RuntimeError(f"{what} exited with {code}{stranger}")
             try:
                 async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    answered = answered or time.monotonic()
-                    if r.status == 200:
-                        return answered
+                    if own_port and not _listens(proc, url):
+                        stranger = (f" (another process answered on its port: it was taken "
+                                    f"before {what} could listen)")
+                    else:
+                        answered = answered or time.monotonic()
+                        if r.status == 200:
+                            return answered
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(interval)
-    raise RuntimeError(f"{what} not ready after {timeout}s")
+    raise RuntimeError(f"{what} not ready after {timeout}s{stranger}")
+
+
+def _listens(proc, url: str) -> bool:
+    """Whether `url`'s port is `proc`'s own listener (True without a proc, or where /proc
+    cannot tell)."""
+    return proc is None or held_by(proc.pid, urlsplit(url).port or 80) is not False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that is free now (for a child process to listen on)."""
+    """A port on `host` that is free now (for a child process to listen on; any other process
+    may take it before the child binds it: `listening_socket` closes that window)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A socket listening on host:port (0: a free port) for a child to serve on (handed down
+    with Popen's pass_fds, named by the engine's --listen-fd): the port is held from the
+    moment it is chosen, so no other process can take it while the child starts.
+    Connections wait in its backlog meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
 
 
 def url_of(host: str, port: int) -> str:
@@ -146,8 +175,10 @@ def url_of(host: str, port: int) -> str:
 
 async def start_app(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
                     shutdown_timeout: float = 60.0, reuse_port: bool = False,
+                    sock: socket.socket | None = None,
                     **handler_kw) -> tuple[web.AppRunner, str]:
-    """Listen on host:port (0 = a free port); return the runner and the base URL.
+    """Listen on host:port (0 = a free port), or serve on `sock` (a listening socket, e.g. one
+    a launcher handed down: `listening_socket`); return the runner and the base URL.
 
     handler_cancellation=True: when a client disconnects, its handler is cancelled at once,
     so an upstream stream (or an engine sequence) is closed instead of running on.
@@ -161,7 +192,8 @@ async def start_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     runner = _JsonErrorRunner(app, handler_cancellation=True, access_log=None,
                               shutdown_timeout=shutdown_timeout, **handler_kw)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
+    site = web.SockSite(runner, sock) if sock is not None else \
+        web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, url_of(bound_host, bound_port)

@@ -14,7 +14,7 @@ import sys
 
 from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
 from prefixgate.common.processes import ServerProcess
-from prefixgate.common.runtime import free_port
+from prefixgate.common.runtime import free_port, listening_socket
 from prefixgate.proxy import pd
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
@@ -27,8 +27,10 @@ class BundledEngines:
         self.roles = cfg.get("roles") or ["both"] * cfg["instances"]     # --role per engine
         self.tracing = tracing              # the gateway's `tracing:`: the engines trace too
         self.procs: list[ServerProcess] = []
-        # ports are chosen up front so the gateway (and its plugins) can be built first
-        self.ports = [free_port(cfg["host"]) for _ in self.roles]
+        # ports are chosen up front so the gateway (and its plugins) can be built first, and
+        # held (listening) until each engine serves on its own: --listen-fd
+        self.listeners = [listening_socket(cfg["host"]) for _ in self.roles]
+        self.ports = [sock.getsockname()[1] for sock in self.listeners]
         self.urls = [f"http://{cfg['host']}:{port}" for port in self.ports]
         self.kv_events = self._kv_events_configs()          # per engine; None: no KV events
         # where a subscriber on the gateway's host reaches each engine's sockets (None: not
@@ -70,12 +72,12 @@ class BundledEngines:
     async def start(self) -> None:
         """Launch the engines and wait until each one's /health says 200, which is after its
         warm-up (wait_ready takes the 503 meanwhile, like a refused connection, as "not yet")."""
-        for i, (port, url, role) in enumerate(zip(self.ports, self.urls, self.roles)):
+        for i, (sock, url, role) in enumerate(zip(self.listeners, self.urls, self.roles)):
             cmd = [sys.executable, "-m", "prefixgate.backend", "--model", self.cfg["model"],
-                   "--host", self.cfg["host"], "--port", str(port), "--role", role,
-                   *self.engine_args(i)]
+                   "--host", self.cfg["host"], "--listen-fd", str(sock.fileno()),
+                   "--role", role, *self.engine_args(i)]
             self.procs.append(ServerProcess(cmd, url, what=f"bundled engine at {url}",
-                                            inherit_output=True).start())
+                                            inherit_output=True, listener=sock).start())
         await asyncio.gather(*(proc.ready(self.cfg["startup_timeout_s"], interval=0.25)
                                for proc in self.procs))
 
@@ -106,6 +108,8 @@ class BundledEngines:
         return args
 
     async def stop(self) -> None:
+        for sock in self.listeners[len(self.procs):]:        # engines never started
+            sock.close()
         await asyncio.gather(*(proc.close(timeout=10) for proc in self.procs))
 
 

@@ -106,8 +106,9 @@ class CommandEngine:
         self.urls = [f"http://127.0.0.1:{port}"]
         argv = shlex.split(template.format(
             port=port, model=model, flags=" ".join(shlex.quote(f) for f in flags)))
+        # own_port=False: a template may run a container whose port another process forwards
         self.process = ServerProcess(argv, self.urls[0], what=f"engine `{shlex.join(argv)}`",
-                                     inherit_output=True)
+                                     inherit_output=True, own_port=False)
         self.timeout_s = timeout_s
 
     async def start(self) -> None:

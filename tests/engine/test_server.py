@@ -14,7 +14,8 @@ import openai
 import pytest
 import torch
 
-from prefixgate.common.runtime import wait_ready
+from prefixgate.common.listeners import held_by
+from prefixgate.common.runtime import listening_socket, wait_ready
 from prefixgate.common.tokenizer import Tokenizer
 from tests.engine.helpers import complete_ids, hf_greedy, load_hf, metrics
 from tests.helpers import ServerThread
@@ -206,19 +207,28 @@ async def test_fp8_kv_cache_serves(model_dir):
 
 
 async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
-    """`python -m prefixgate.backend`, as the gateway's standalone mode launches it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixgate.backend", "--model", str(model_dir), "--port", str(port),
-        "--log-level", "warning", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    """`python -m prefixgate.backend`, as the gateway's standalone mode launches it: on a
+    listening socket handed down (--listen-fd), so its port is held from the moment it is
+    chosen: no other process can take it, and a request sent at once waits in the backlog
+    (answered, not refused)."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixgate.backend", "--model", str(model_dir),
+        "--listen-fd", str(sock.fileno()), "--log-level", "warning", pass_fds=(sock.fileno(),),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    sock.close()                                # the child's alone now
     try:
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind(("127.0.0.1", port))     # still starting, and the port is taken
         async with aiohttp.ClientSession() as s:
-            await wait_ready(url, "/health", 60)
+            async with s.get(url + "/health") as r:     # sent before it serves
+                assert r.status in (200, 503)           # 503: warming up
+            await wait_ready(url, "/health", 60, proc)
             got = await complete_ids(s, url, [5, 6, 7], 3)
         assert len(got["token_ids"]) == 3
+        assert held_by(proc.pid, port)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
@@ -230,6 +240,7 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(model_dir):
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--kv-cache-memory", "12XB"], "not a memory size"),
     (["--kv-cache-dtype", "int3"], "kv_cache_dtype"),
+    (["--listen-fd", "987"], "--listen-fd 987: not an open socket"),
 ])
 def test_cli_reports_bad_settings_without_a_traceback(model_dir, flags, needle, capsys):
     from prefixgate.backend.cli import main
