@@ -108,7 +108,7 @@ async def test_upstream_process_killed_mid_stream(make_standin, make_gateway):
     try:
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as client:
-            await wait_ready(url, "/health", 5)
+            await wait_ready(url, "/health", 5, proc)      # its own listener, no other's
             good = await make_standin()
             gw = await two_upstreams(make_gateway, url, good)
             async with client.post(gw.url + "/v1/chat/completions",

@@ -12,15 +12,11 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
-import time
-import urllib.request
 
 import aiohttp
 import pytest
 
-from prefixgate.common.runtime import free_port
+from prefixgate.backend.bench.engine_process import engine_process
 from prefixgate.proxy.bench.prompts import words
 from tests.plugins.helpers import metrics, sample
 
@@ -28,45 +24,23 @@ MODEL = "demo"
 BUDGETS = {"fast": 512, "slow": 16}     # --max-num-batched-tokens
 
 
-def start_engine(budget: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixgate.backend", "--model", MODEL, "--port", str(port),
-         "--max-num-batched-tokens", str(budget), "--log-level", "warning"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"engine at {url} exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"engine at {url} not ready in {timeout:.0f} s")
-
-
 @pytest.fixture(scope="module")
 def engines():
-    """{name: url} of the fast and the slowed engine, started once for the module."""
-    started = {name: start_engine(budget) for name, budget in BUDGETS.items()}
+    """{name: url} of the fast and the slowed engine, started once for the module (through
+    the benches' launcher: each on a port held from the moment it is chosen)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = {name: engine_process(MODEL, "--max-num-batched-tokens", str(budget),
+                                    "--log-level", "warning", env=env, inherit_output=True)
+               for name, budget in BUDGETS.items()}
     try:
-        for proc, url in started.values():
-            wait_healthy(proc, url)
-        yield {name: url for name, (_, url) in started.items()}
+        for engine in started.values():
+            engine.start()
+        for engine in started.values():
+            engine.wait_ready(90, interval=0.2)
+        yield {name: engine.url for name, engine in started.items()}
     finally:
-        for proc, _ in started.values():
-            proc.terminate()
-        for proc, _ in started.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for engine in started.values():
+            engine.stop(10)
 
 
 def gateway_config(engines: dict) -> dict:

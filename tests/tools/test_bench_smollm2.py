@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +14,6 @@ import urllib.request
 import pytest
 
 from prefixgate.backend.config import served_name
-from prefixgate.common.runtime import free_port
 from prefixgate.proxy.bench import cli as bench
 from prefixgate.proxy.bench import mixed
 from prefixgate.proxy.bench import seed as bench_seed
@@ -34,15 +34,20 @@ def _healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    """`prefixgate serve` with no model argument (SmolLM2 behind the gateway), on a free port."""
+    """`prefixgate serve` with no model argument (SmolLM2 behind the gateway), on a port of its
+    own choosing (`--port 0`: a port chosen here could be taken by another test meanwhile),
+    read from its "listening on" line."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    url = f"http://127.0.0.1:{(port := free_port())}"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "prefixgate.proxy.cli", "serve",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                 "--port", "0"], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         deadline = time.monotonic() + SERVE_START_S
+        while not (found := re.search(r"gateway listening on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        url = found.group(1)
         while not _healthy(url):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)

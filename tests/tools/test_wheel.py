@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from prefixgate.common.runtime import free_port
 from prefixgate.proxy.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,19 +105,18 @@ def test_every_subcommand_answers_help(installed):
 
 
 def test_serve_demo_answers_a_chat_completion(installed):
-    port = free_port()
-    proc = subprocess.Popen([installed.prefixgate, "serve", "demo", "--port", str(port)],
+    proc = subprocess.Popen([installed.prefixgate, "serve", "demo", "--port", "0"],
                             cwd=installed.cwd, env=installed.env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         deadline = time.monotonic() + 90
-        while not any("gateway listening on" in line for line in lines):
+        while not (found := re.search(r"gateway listening on (http://\S+)", "".join(lines))):
             line = proc.stdout.readline()
             assert line and time.monotonic() < deadline, "serve: " + "".join(lines)
             lines.append(line)
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
+            found.group(1) + "/v1/chat/completions", method="POST",
             headers={"Content-Type": "application/json"},
             data=json.dumps({"model": "demo", "max_tokens": 4,
                              "messages": [{"role": "user", "content": "hello"}]}).encode())
