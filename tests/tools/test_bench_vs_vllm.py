@@ -9,12 +9,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from prefixgate.backend.bench import pinned_servers, vs_vllm
 from prefixgate.backend.bench.pinned_servers import CpuMeter, PinningError
+from prefixgate.proxy.bench.vllm_bench_client import BenchClient, run_vllm_bench
 
 SPIN = "while :; do :; done"
 
@@ -200,3 +202,11 @@ def test_quick_run_measures_both_engines_side_by_side(tmp_path, capsys):
         assert row["ours"] > 0 and row["vllm"] > 0 and row["ratio"] > 0
         assert row["label"] in printed
     assert "ratio: ours/vLLM in speed (>1: ours faster)" in printed
+
+
+async def test_a_vllm_client_that_cannot_start_says_why():
+    # a python without vLLM: the client's own traceback is in the error, no figures made up
+    client = BenchClient(sys.executable).start()
+    with pytest.raises(RuntimeError, match="(?s)exited with 1.*No module named 'vllm'"):
+        await run_vllm_bench(sys.executable, ["--num-prompts", "1"], client)
+    assert client.proc.returncode == 1
