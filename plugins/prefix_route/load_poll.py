@@ -85,6 +85,7 @@ class LoadPoller:
         self.path = path
         self.samples: dict[str, Sample] = {}
         self._task: asyncio.Task | None = None
+        self.clock = time.monotonic     # the fleet simulator's polls run on its own clock
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -97,7 +98,7 @@ class LoadPoller:
 
     def requests(self, up) -> float:
         s = self.samples.get(up.name)
-        if s is None or time.monotonic() - s.t > self.stale_after_s:
+        if s is None or self.clock() - s.t > self.stale_after_s:
             return float(up.inflight)
         return max(0.0, s.running + s.waiting + up.inflight - s.inflight_at_poll)
 
@@ -113,7 +114,7 @@ class LoadPoller:
 
     def _fresh(self, up) -> Sample | None:
         s = self.samples.get(up.name)
-        if s is None or time.monotonic() - s.t > self.stale_after_s:
+        if s is None or self.clock() - s.t > self.stale_after_s:
             return None
         return s
 
@@ -144,5 +145,5 @@ class LoadPoller:
             return
         parsed = parse_metrics(text)
         if parsed is not None:
-            self.samples[up.name] = Sample(*parsed, up.inflight, time.monotonic())
+            self.samples[up.name] = Sample(*parsed, up.inflight, self.clock())
             up.polled = self            # Upstream.load and kv_usage read it

@@ -48,6 +48,7 @@ from prefixgate.backend.block_manager import BlockManager
 from prefixgate.common.block_hash import ROOT_HASH
 from prefixgate.common.percentiles import percentile
 from prefixgate.plugins.prefix_route.kv_index import decode_batch
+from prefixgate.plugins.prefix_route.load_poll import LoadPoller, Sample
 from prefixgate.plugins.prefix_route.plugin import PrefixRoute
 from prefixgate.plugins.prefix_route.predicted_ttft import STATE_KEY as PREDICTED
 from prefixgate.plugins.sim.engine_events import encode, record
@@ -64,7 +65,7 @@ INDEXED = ("exact", "oracle")        # cache_aware's scorer with another index
 # millisecond: the gateway learns of a cached block about one engine step after it was stored
 EVENT_DELAY_S = 0.005
 WARM_REQUESTS = 50          # predicted_ttft: a backend's first answers, left out of its error
-PREFILLED, FINISHED, EVENTS = range(3)      # what a heap entry is
+PREFILLED, FINISHED, EVENTS, POLL = range(4)    # what a heap entry is
 
 
 @dataclass
@@ -145,7 +146,7 @@ class FleetSim:
                  cost: CostModel | None = None, route: dict | None = None, seed: int = 0,
                  replicas: int = 1, shared_load: bool = False, balancer: str = "turns",
                  event_delay_s: float = EVENT_DELAY_S, measure_agreement: bool = True,
-                 speeds: list[float] | None = None):
+                 speeds: list[float] | None = None, poll_metrics_s: float = 0.0):
         self.cost = cost or CostModel()
         speeds = speeds or [1.0] * backends
         if len(speeds) != backends:
@@ -187,6 +188,10 @@ class FleetSim:
         self.oracle: set[int] = set()
         self.by_kind: dict[str, list[int]] = {}        # kind -> [hit tokens, prompt tokens]
         self.prediction_errors: list[float] = []       # |predicted - TTFT| / TTFT, once warm
+        self.poll_metrics_s = poll_metrics_s
+        self.pollers = [self._poller(gw, i) for i, gw in enumerate(self.gws)] \
+            if poll_metrics_s > 0 else []
+        self._arriving = True           # polls go on while requests arrive
 
     def _install_indexes(self) -> None:
         """exact: every replica its own event-fed index, every engine publishing; oracle: the
@@ -201,6 +206,26 @@ class FleetSim:
             oracle = CacheOracle({name: b.bm for name, b in self.backends.items()})
             for gw in self.gws:
                 install(gw, oracle)
+
+    def _poller(self, gw, replica: int) -> LoadPoller:
+        """`poll_metrics_s`: the replica's poller of the backends' load (its first poll at its
+        own moment within the interval), on the simulation's clock."""
+        poller = LoadPoller(gw, self.poll_metrics_s)
+        poller.clock = lambda: self.now
+        self._at(replica * self.poll_metrics_s / len(self.gws), POLL, replica)
+        return poller
+
+    def _poll(self, replica: int, now: float) -> None:
+        """What a replica's scrape of every backend's /metrics reads now (engine counts:
+        running = prefilling or decoding, waiting = queued, KV blocks held)."""
+        poller = self.pollers[replica]
+        for up in self.gws[replica].upstreams:
+            b = self.backends[up.name]
+            poller.samples[up.name] = Sample(b.running, len(b.queue), b.bm.usage(),
+                                             up.inflight, now)
+            up.polled = poller
+        if self._arriving:
+            self._at(now + self.poll_metrics_s, POLL, replica)
 
     def _publish(self, b: Backend, now: float) -> None:
         """Send the engine's events of this step to every replica's index (after the delay):
@@ -236,6 +261,7 @@ class FleetSim:
                 now = self.now = nxt.t
                 self._arrive(nxt, now)
                 nxt = next(trace, None)
+                self._arriving = nxt is not None
                 continue
             now, _, kind, obj = heapq.heappop(self.events)
             self.now = now
@@ -243,6 +269,8 @@ class FleetSim:
                 self._prefilled(obj, now)
             elif kind == FINISHED:
                 self._finished(obj, now)
+            elif kind == POLL:
+                self._poll(obj, now)
             else:
                 self._deliver(obj)
         return self._report(time.perf_counter() - started, now)
@@ -385,6 +413,7 @@ class FleetSim:
             "pick_us_p99": percentile(pick_us, 99),
             "prediction_error_p50": percentile(self.prediction_errors, 50),
             "replicas": len(self.gws), "shared_load": self.shared_load,
+            "poll_metrics_s": self.poll_metrics_s,
             "balancer": self.balancer,
             "kv_events": self.kv_events, "event_delay_s": self.event_delay_s,
             "replica_agreement": self.agree / self.compared if self.compared else None,
@@ -433,6 +462,9 @@ def main(argv=None) -> int:
                    help="how the load balancer in front of the replicas spreads requests")
     p.add_argument("--event-delay-s", type=float, default=EVENT_DELAY_S,
                    help="exact policy: from an engine's cache change to the replicas' indexes")
+    p.add_argument("--poll-metrics-s", type=float, default=0.0,
+                   help="each replica polls every backend's load (running, waiting, KV "
+                   "usage) this often, as prefix_route's `poll_metrics_s` (0: never)")
     p.add_argument("--speeds", help="each backend's prefill speed, comma-separated "
                    "(default: all 1; e.g. 1,1,1,1,1,1,0.5,0.5)")
     for f in fields(CostModel):
@@ -448,7 +480,7 @@ def main(argv=None) -> int:
     for policy in args.policies.split(","):
         r = FleetSim(args.backends, policy, trace, cost, route, args.seed, args.replicas,
                      args.shared_load, args.balancer, args.event_delay_s,
-                     speeds=speeds).run()
+                     speeds=speeds, poll_metrics_s=args.poll_metrics_s).run()
         results.append(r)
         print(_row(r), flush=True)
     base = next((r for r in results if r["policy"] == "round_robin"), None)

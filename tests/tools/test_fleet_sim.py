@@ -92,3 +92,25 @@ def test_replicas_agree_when_they_share_the_load_view():
     assert shared["replica_agreement"] >= 0.99
     assert 0 < local["replica_agreement"] <= 1
     assert shared["requests"] == local["requests"] == 400
+
+
+def test_polling_replicas_read_every_backends_own_counts():
+    # --poll-metrics-s: each replica scrapes every backend on the simulated clock, as
+    # prefix_route's LoadPoller does, and its scorers read those samples
+    sim = FleetSim(4, "predicted_ttft", trace(400), COST, replicas=2, poll_metrics_s=0.05)
+    result = sim.run()
+    assert result["poll_metrics_s"] == 0.05 and result["requests"] == 400
+    end = sim.now
+    for gw, poller in zip(sim.gws, sim.pollers):
+        sim.now = end
+        assert all(u.polled is poller for u in gw.upstreams)
+        assert set(poller.samples) == {u.name for u in gw.upstreams}
+        assert all(0 < s.t <= end for s in poller.samples.values())
+        # read on the simulation's clock: fresh just after the last poll (polls stop with the
+        # arrivals), stale once the backends drained on
+        last = max(s.t for s in poller.samples.values())
+        up = gw.upstreams[0]
+        assert poller.waiting(up) is None and sim.now - last > poller.stale_after_s
+        sim.now = last + 0.01
+        assert poller.waiting(up) == poller.samples[up.name].waiting
+    assert FleetSim(4, "predicted_ttft", trace(400), COST, replicas=2).pollers == []
