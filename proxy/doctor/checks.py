@@ -12,6 +12,8 @@ from prefixgate.proxy.doctor.trace import StreamReads
 MIN_EVENTS = 4              # content events needed to judge the arrival pattern
 BURST_READS = 2             # ... all of them in this few reads means someone buffered
 MIN_STREAM_S = 0.05         # ... over a stream at least this long (else too fast to tell)
+BURST_RETRIES = 2           # a burst is re-checked this often: a client short of CPU reads in
+#                             bursts too, a buffering hop buffers every stream
 OUTSIDE_S = 0.05            # client TTFT above server TTFT by more than this ...
 OUTSIDE_FRAC = 0.25         # ... and by more than this fraction: time lost in between
 HIT_RATIO_OK = 0.5          # prefix-cache hit ratio of an identical second request
@@ -50,7 +52,16 @@ def ms(seconds: float | None) -> str:
 
 
 # --- (a) transport -------------------------------------------------------------------------
-def streaming(tr: StreamReads) -> Finding:
+def burst(tr: StreamReads) -> bool:
+    """Whether the stream's content came in a burst: enough events, all in a read or two, at
+    the end of a stream long enough that a streaming route would have spread them out."""
+    times = tr.content_times
+    return (not tr.error and len(times) >= MIN_EVENTS and tr.content_reads <= BURST_READS
+            and times[-1] >= MIN_STREAM_S)
+
+
+def streaming(tr: StreamReads, bursts: int = 0) -> Finding:
+    """`bursts`: the streams before `tr` that came in a burst (re-checked: `BURST_RETRIES`)."""
     title = "streaming"
     if tr.error:
         return Finding("a", title, "FAIL", f"the streamed request failed: {tr.error}",
@@ -58,7 +69,8 @@ def streaming(tr: StreamReads) -> Finding:
     times, reads = tr.content_times, tr.content_reads
     data = {"content_events": len(times), "content_reads": reads, "reads": len(tr.reads),
             "ttft_ms": tr.ttft and round(tr.ttft * 1000, 1),
-            "end_ms": tr.end and round(tr.end * 1000, 1), "headers": tr.headers}
+            "end_ms": tr.end and round(tr.end * 1000, 1), "headers": tr.headers,
+            "bursts_before": bursts}
     if tr.encoding not in ("", "identity"):
         return Finding("a", title, "FAIL", f"the event stream is compressed (Content-Encoding: "
                        f"{tr.encoding}); a compressor holds tokens back until its window fills",
@@ -71,11 +83,11 @@ def streaming(tr: StreamReads) -> Finding:
         return Finding("a", title, "INFO", f"only {len(times)} content events came back (the "
                        f"model stopped early?); too few to judge the arrival pattern", data=data)
     span = times[-1] - times[0]
-    if reads <= BURST_READS and times[-1] >= MIN_STREAM_S:
+    if burst(tr):
         return Finding("a", title, "FAIL", f"all {len(times)} content events arrived in "
-                       f"{reads} read(s) at {ms(times[0])}..{ms(times[-1])}: the stream is "
-                       f"buffered on the way (a streaming server sends one event per token)",
-                       FIX_BUFFERING, data)
+                       f"{reads} read(s) at {ms(times[0])}..{ms(times[-1])}, in {bursts + 1} "
+                       f"stream(s) of {bursts + 1}: the stream is buffered on the way (a "
+                       f"streaming server sends one event per token)", FIX_BUFFERING, data)
     return Finding("a", title, "PASS", f"{len(times)} content events over {reads} reads, first "
                    f"at {ms(times[0])}, last at {ms(times[-1])} ({ms(span / (len(times) - 1))} "
                    f"apart on average): not buffered", data=data)

@@ -127,10 +127,13 @@ async def diagnose(args, bodies: list[dict], tokenizer) -> list[checks.Finding]:
         errors = [t.error for t in (first, second) if t.error]
         found = [checks.prefix_cache(first.ttft, second.ttft, m_mid, m_after, errors)]
         # greedy: a sampled answer may end after a token or two, too few events to judge
-        stream = await trace_stream(session, url, {**probe, "model": model, "temperature": 0,
-                                                   "max_tokens": args.max_tokens}, headers)
+        streamed = {**probe, "model": model, "temperature": 0, "max_tokens": args.max_tokens}
+        stream, bursts = await trace_stream(session, url, streamed, headers), 0
+        while checks.burst(stream) and bursts < checks.BURST_RETRIES:
+            bursts += 1                 # a buffering hop does it again; a stalled client not
+            stream = await trace_stream(session, url, streamed, headers)
         m_end = await metrics()
-        found.insert(0, checks.streaming(stream))
+        found.insert(0, checks.streaming(stream, bursts))
         server = pm.mean_delta(m_after or {}, m_end or {}, "server_ttft")
         hist = pm.histogram(m_end or {}, "server_ttft")
         found.insert(1, checks.client_vs_server(stream.ttft, server, hist and hist[0]))
