@@ -15,7 +15,7 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from prefixgate.common.errors import HTTPError, shape_for
-from prefixgate.common.listeners import held_by
+from prefixgate.common.procfs import held_by
 
 log = logging.getLogger("prefixgate.server")
 
@@ -117,7 +117,7 @@ async def wait_ready(url: str, path: str = "/v1/models", timeout: float = 30, pr
     exited. `what` names the server in those errors (default: its URL). Returns when
     (time.monotonic()) it first answered at all: a server listens before it is ready.
     With `proc` and `own_port`, only its own listener counts: another process that took the
-    port between its choice and the child's bind (common/listeners.py) is never taken for it.
+    port between its choice and the child's bind (common/procfs.py) is never taken for it.
     (`own_port=False` for a child whose port some other process serves, e.g. a container's.)"""
     what = what or url
     deadline = time.monotonic() + timeout

@@ -8,8 +8,8 @@ import sys
 import pytest
 from aiohttp import web
 
-from prefixgate.common.listeners import held_by
 from prefixgate.common.processes import ServerProcess
+from prefixgate.common.procfs import held_by
 from prefixgate.common.runtime import free_port, start_app
 
 STANDIN = [sys.executable, "-m", "prefixgate.proxy.testing.standin"]

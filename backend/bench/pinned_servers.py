@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixgate.backend.bench.engine_process import engine_process
+from prefixgate.common.procfs import tree_pids
 from prefixgate.proxy.testing.real_vllm import vllm_servers
 
 SERVED_NAME = "smollm2"
@@ -103,24 +104,6 @@ def profiled(pid: int, out: Path | None):
             spy.wait(60)
         except subprocess.TimeoutExpired:
             spy.kill()
-
-
-def tree_pids(root: int) -> list[int]:
-    """`root` and every live descendant of it (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            # the command name, in parentheses, may hold spaces: the fields after it count
-            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 class PinningError(RuntimeError):

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from prefixgate.common.listeners import held_by
+from prefixgate.common.procfs import held_by
 from prefixgate.common.runtime import listening_socket, wait_ready
 from prefixgate.common.tokenizer import Tokenizer
 from tests.engine.helpers import complete_ids, hf_greedy, load_hf, metrics

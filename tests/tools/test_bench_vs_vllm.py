@@ -16,6 +16,7 @@ import pytest
 
 from prefixgate.backend.bench import pinned_servers, vs_vllm
 from prefixgate.backend.bench.pinned_servers import CpuMeter, PinningError
+from prefixgate.common.procfs import tree_pids
 from prefixgate.proxy.bench.vllm_bench_client import BenchClient, run_vllm_bench
 
 SPIN = "while :; do :; done"
@@ -43,7 +44,7 @@ def spinning_tree(spinners: list[int | None], outer: int | None = None):
     proc = subprocess.Popen(argv, start_new_session=True)
     try:
         deadline = time.monotonic() + 5
-        while len(pinned_servers.tree_pids(proc.pid)) < 1 + len(spinners):
+        while len(tree_pids(proc.pid)) < 1 + len(spinners):
             assert time.monotonic() < deadline, "the busy loops did not start"
             time.sleep(0.05)
         time.sleep(0.2)                    # each loop exec'd and spinning
@@ -51,7 +52,7 @@ def spinning_tree(spinners: list[int | None], outer: int | None = None):
     finally:
         # every process of the tree: the loops' own sessions are outside the shell's group,
         # and a loop left spinning would slow every test after this one
-        for pid in pinned_servers.tree_pids(proc.pid):
+        for pid in tree_pids(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):

@@ -1,4 +1,5 @@
-"""Which process listens on a TCP port, read from Linux's /proc.
+"""What Linux's /proc says about processes: a process's tree (`tree_pids`), and whether the
+socket listening on a TCP port is that tree's (`held_by`).
 
 A launcher picks a free port, then starts a child that binds it seconds later (after its
 imports and model load). Meanwhile any other process may bind that port, and a readiness poll
@@ -7,6 +8,7 @@ apart: the listening socket's inode (/proc/net/tcp, tcp6) among the open files o
 one of its descendants (a wrapper such as `sh -c` forks the server)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -30,17 +32,21 @@ def listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def family(pid: int) -> list[int]:
-    """`pid` and its descendants that /proc shows (threads' children included)."""
-    found, todo = [], [pid]
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            # the command name, in parentheses, may hold spaces: the fields after it count
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
     while todo:
-        p = todo.pop()
-        found.append(p)
-        for task in (PROC / str(p) / "task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass                # gone meanwhile, or a kernel without the file
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
     return found
 
 
@@ -69,4 +75,4 @@ def held_by(pid: int, port: int) -> bool | None:
     listening = listening_inodes(port)
     if not listening:
         return None
-    return any(listening & socket_inodes(p) for p in family(pid))
+    return any(listening & socket_inodes(p) for p in tree_pids(pid))
