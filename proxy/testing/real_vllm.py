@@ -196,8 +196,9 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
     try:
         for server in servers:
             server.start(kvcache_gib, env)
+        deadline = time.monotonic() + timeout     # they start together: one wait for all
         for i in range(n):
-            servers[i] = _ready(servers[i], kvcache_gib, env, timeout)
+            servers[i] = _ready(servers[i], kvcache_gib, env, deadline)
         yield servers
     finally:
         for server in servers:
@@ -205,11 +206,12 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
 
 
 def _ready(server: VLLMServer, kvcache_gib: int, env: dict | None,
-           timeout: float) -> VLLMServer:
-    """`server` once ready; started again on fresh ports while it died of a port taken."""
+           deadline: float) -> VLLMServer:
+    """`server` once ready, by `deadline` (time.monotonic()); started again on fresh ports
+    while it died of a port taken."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:
-            server.wait_ready(timeout)
+            server.wait_ready(max(deadline - time.monotonic(), 1.0))
             return server
         except VLLMUnavailable:
             if attempt == PORT_ATTEMPTS or not server.port_was_taken():

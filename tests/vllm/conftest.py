@@ -21,6 +21,7 @@ MAX_MODEL_LEN = 4096
 SERVED_NAME = "smollm2"
 LORA_NAME = "smollm2-lora"  # a LoRA adapter both servers load at start-up (--lora-modules)
 LORA_RANK = 8
+NIXL_READY_S = 420          # both NIXL servers (they start together), under the module's 600 s
 
 
 def make_lora_adapter(out: Path, model_dir: Path, rank: int = LORA_RANK) -> Path:
@@ -79,8 +80,10 @@ def vllm_pair(tmp_path_factory, lora_adapter):
 @pytest.fixture(scope="module")
 def nixl_pair(tmp_path_factory):
     """Two vLLM servers that can each take either leg of a P/D pair (NixlConnector), for the
-    module that asks (test_pd_vllm.py) and stopped after it."""
-    with vllm_servers(2, served_model_name=SERVED_NAME, nixl=True,
+    module that asks (test_pd_vllm.py) and stopped after it. Its wait ends well inside that
+    module's 600 s timeout, so a pair that never gets ready fails with the servers' log tails
+    instead of a bare pytest timeout."""
+    with vllm_servers(2, served_model_name=SERVED_NAME, nixl=True, timeout=NIXL_READY_S,
                       log_dir=tmp_path_factory.mktemp("nixl-logs"), args=[
             "--max-model-len", str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override", str(KV_BLOCKS)]) as servers:
