@@ -5,8 +5,8 @@ New token i of sequence s sits at position seq_lens[s] - q_len_s + i and attends
 positions <= its own (prefix caching and chunked prefill both produce this shape of batch).
 Single-token sequences (decodes mixed into a prefill step) go through the decode reference
 together; longer ones run one at a time, so padding never multiplies the work: each gathers its
-own pages once and makes one fused SDPA call (plain causal without a cached prefix, an
-end-aligned causal mask with one).
+own pages once and goes through fused SDPA in blocks of queries under an end-aligned causal
+mask (decode_attention_ref.causal_attention).
 """
 from __future__ import annotations
 

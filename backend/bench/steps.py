@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import time
 
@@ -31,6 +32,9 @@ from prefixgate.backend.cpu_linear import prepare_for_inference
 from prefixgate.backend.loader import load_model, serving_dtype
 
 BLOCK = 16
+# a mixed step: decodes riding along with the second 512-token chunk of a 1,024-token prompt,
+# the steps of vLLM's `random` load under a 512-token step budget
+MIXED_PROMPT, MIXED_CHUNK = 1024, 512
 
 
 def paged_cache(config, tokens: int, dtype: torch.dtype) -> list[tuple]:
@@ -40,23 +44,27 @@ def paged_cache(config, tokens: int, dtype: torch.dtype) -> list[tuple]:
             for _ in range(config.num_hidden_layers)]
 
 
-def forward_s(model, config, kv, lens: list[int], new: int, repeats: int,
+def forward_s(model, config, kv, lens: list[int], new: int | list[int], repeats: int,
               variants=(contextlib.nullcontext,)) -> list[float]:
     """Median seconds of one step per variant (a context to run it in), the variants taking
-    turns: each sequence (its cache already holding lens[s] - new tokens) computes `new`
-    tokens; the last token's logits of each, as the engine asks."""
+    turns: each sequence (its cache already holding lens[s] - new[s] tokens) computes new[s]
+    tokens (`new` alone: as many for each); the last token's logits of each, as the engine
+    asks."""
+    news = new if isinstance(new, list) else [new] * len(lens)
     pages = -(-max(lens) // BLOCK)
     tables = torch.arange(len(lens) * pages, dtype=torch.int32).view(len(lens), pages)
-    slots = [s * pages * BLOCK + p for s, n in enumerate(lens) for p in range(n - new, n)]
+    slots = [s * pages * BLOCK + p for s, (n, k) in enumerate(zip(lens, news))
+             for p in range(n - k, n)]
+    starts = [0, *itertools.accumulate(news)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), block_tables=tables,
         seq_lens=torch.tensor(lens, dtype=torch.int32),
-        query_start_loc=torch.arange(0, len(lens) * new + 1, new, dtype=torch.int32),
-        max_seq_len=max(lens), is_decode=new == 1)
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        max_seq_len=max(lens), is_decode=set(news) == {1})
     ids = torch.randint(0, config.vocab_size, (len(slots),),
                         generator=torch.Generator().manual_seed(0))
-    positions = torch.tensor([p for n in lens for p in range(n - new, n)])
-    last = torch.arange(new - 1, len(slots), new)
+    positions = torch.tensor([p for n, k in zip(lens, news) for p in range(n - k, n)])
+    last = torch.tensor(starts[1:]) - 1
     times = [[] for _ in variants]
     with torch.inference_mode():
         for _ in range(repeats + 1):           # the first is a warm-up
@@ -78,8 +86,9 @@ def run(args) -> dict:
     weight_dtype = model.model.embed_tokens.weight.dtype
     dtype_name = str(weight_dtype).removeprefix("torch.")
     floors = probe.Floors(limits, probe.ModelCost.of(config))
-    pages = -(-max([*args.prefill_tokens, args.context]) // BLOCK)
-    kv = paged_cache(config, max(args.batches) * pages * BLOCK, weight_dtype)
+    pages = -(-max([*args.prefill_tokens, args.context, MIXED_PROMPT]) // BLOCK)
+    sequences = max([1, *args.batches, *(b + 1 for b in args.mixed)])
+    kv = paged_cache(config, sequences * pages * BLOCK, weight_dtype)
     variants = [contextlib.nullcontext]
     if args.baseline_plain:
         variants.append(lambda: cpu_ops.plain(*args.baseline_plain))
@@ -87,6 +96,9 @@ def run(args) -> dict:
                for n in args.prefill_tokens}
     decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats, variants)
               for b in args.batches}
+    mixed = {b: forward_s(model, config, kv, [args.context] * b + [MIXED_PROMPT],
+                          [1] * b + [MIXED_CHUNK], args.repeats, variants)
+             for b in args.mixed}
     return {
         "config": dict(vars(args)), "dtype": dtype_name, "packed_linears": packed,
         "limits": limits.to_dict(),
@@ -99,6 +111,7 @@ def run(args) -> dict:
                        "fraction": floors.decode_fraction(b, s[0], dtype_name, args.context),
                        **baseline(s, 1e3)}
                    for b, s in decode.items()},
+        "mixed": {b: {"ms": s[0] * 1e3, **baseline(s, 1e3)} for b, s in mixed.items()},
     }
 
 
@@ -124,6 +137,9 @@ def report(result: dict) -> None:
     for b, r in result["decode"].items():
         print(f"  decode batch {b:>3} at {c['context']:,}  {r['ms']:6.1f} ms    floor "
               f"{r['floor_ms']:5.1f} ms    {r['fraction']:.2f}" + against_baseline(r, "ms", 1))
+    for b, r in result.get("mixed", {}).items():
+        print(f"  mixed: {b} decodes at {c['context']:,} + a {MIXED_CHUNK}-token chunk over "
+              f"{MIXED_PROMPT - MIXED_CHUNK:,}  {r['ms']:6.1f} ms" + against_baseline(r, "ms", 1))
 
 
 def against_baseline(row: dict, unit: str, digits: int) -> str:
@@ -142,6 +158,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--prefill-tokens", type=int_list, default=[512, 2400])
     p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024, help="decode: tokens per sequence")
+    p.add_argument("--mixed", type=int_list, default=[8], metavar="DECODES",
+                   help=f"mixed steps: these many decodes at --context beside a {MIXED_CHUNK}-"
+                        f"token chunk of a {MIXED_PROMPT:,}-token prompt (empty: none)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-plain", type=plain_parts, default=None, metavar="PARTS",

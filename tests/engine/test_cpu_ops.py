@@ -5,6 +5,7 @@ reference's, a model gives the same logits through them, and without
 them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixgate.backend import cpu_linear, cpu_ops
+from prefixgate.backend.attention import AttentionMetadata, paged_attention
 from prefixgate.backend.loader import cpu_flags, load_model
 from prefixgate.kernels.decode_attention_ref import decode_attention_ref
 from prefixgate.kernels.write_kv_ref import write_kv_ref
@@ -130,6 +132,45 @@ def test_decode_attention_reads_the_paged_cache_in_place_as_the_reference_does(
     else:                   # both accumulate in fp32 and round once: one bf16 step apart at most
         torch.testing.assert_close(got.float(), expected.float(), atol=2 ** -8, rtol=2 ** -7)
     assert not got[torch.tensor(lens) == 0].any()       # nothing cached: zeros, not NaN
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("steps", [
+    [(300, 1), (40, 40), (77, 1), (900, 128), (5, 1)],  # decodes around a cold and a cached chunk
+    [(64, 1), (65, 1), (700, 512)],         # vLLM's order: the decodes, then the prompt's chunk
+    [(129, 1), (33, 3)],                    # a decode beside one with 2 draft tokens
+    [(50, 50), (80, 16)],                   # no decodes: the prefill kernel alone
+])
+def test_a_mixed_steps_decodes_read_the_cache_in_place_and_agree_with_the_reference(
+        ops, dtype, steps):
+    """`steps`: (tokens cached after the step, of which new) per sequence."""
+    lens = [n for n, _ in steps]
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    _, k_cache, v_cache, tables, seq_lens = paged(lens, heads, kv_heads, head_dim, dtype, block)
+    g = torch.Generator().manual_seed(7)
+    rows = sum(new for _, new in steps)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=g).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    slots = [tables[s, p // block].item() * block + p % block
+             for s, (n, new) in enumerate(steps) for p in range(n - new, n)]
+    starts = [0, *itertools.accumulate(new for _, new in steps)]
+
+    def attend(backend):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32), max_seq_len=max(lens),
+            is_decode=False, attention_backend=backend)
+        caches = (k_cache.clone(), v_cache.clone())
+        return paged_attention(q, k, v, caches, meta, head_dim ** -0.5), meta
+
+    got, meta = attend(None)
+    expected, _ = attend("torch")
+    assert (meta.decodes_apart is None) == all(new > 1 for _, new in steps)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), atol=2 ** -8, rtol=2 ** -7)
 
 
 @needs_compiler

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prefixgate.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from prefixgate.kernels.decode_attention_ref import CAUSAL_MASK_ROWS, QUERY_BLOCK
 from tests.kernels.helpers import make_case, naive_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -62,6 +63,18 @@ def test_decode_reference_matches_sdpa(gqa, block_size):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_reference_matches_sdpa(gqa, block_size):
     case = make_case(PREFILL_LENS, PREFILL_Q, block_size=block_size, **heads(gqa))
+    assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
+
+
+@pytest.mark.parametrize("lens,q_lens", [
+    ([150, 300, 70], [150, 200, 65]),       # causal, and over prefixes: several query blocks
+    ([CAUSAL_MASK_ROWS + 5], [CAUSAL_MASK_ROWS + 5]),   # a long prompt alone: SDPA's own causal
+])
+def test_prefill_reference_in_query_blocks_matches_sdpa(lens, q_lens):
+    """Chunks of more than QUERY_BLOCK queries go through SDPA a block at a time, none of which
+    may see a key past its own position."""
+    assert max(q_lens) > QUERY_BLOCK
+    case = make_case(lens, q_lens, **heads(4))
     assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
 
 
