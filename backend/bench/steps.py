@@ -32,9 +32,6 @@ from prefixgate.backend.cpu_linear import prepare_for_inference
 from prefixgate.backend.loader import load_model, serving_dtype
 
 BLOCK = 16
-# a mixed step: decodes riding along with the second 512-token chunk of a 1,024-token prompt,
-# the steps of vLLM's `random` load under a 512-token step budget
-MIXED_PROMPT, MIXED_CHUNK = 1024, 512
 
 
 def paged_cache(config, tokens: int, dtype: torch.dtype) -> list[tuple]:
@@ -86,7 +83,7 @@ def run(args) -> dict:
     weight_dtype = model.model.embed_tokens.weight.dtype
     dtype_name = str(weight_dtype).removeprefix("torch.")
     floors = probe.Floors(limits, probe.ModelCost.of(config))
-    pages = -(-max([*args.prefill_tokens, args.context, MIXED_PROMPT]) // BLOCK)
+    pages = -(-max([*args.prefill_tokens, args.context]) // BLOCK)
     sequences = max([1, *args.batches, *(b + 1 for b in args.mixed)])
     kv = paged_cache(config, sequences * pages * BLOCK, weight_dtype)
     variants = [contextlib.nullcontext]
@@ -96,8 +93,10 @@ def run(args) -> dict:
                for n in args.prefill_tokens}
     decode = {b: forward_s(model, config, kv, [args.context] * b, 1, args.repeats, variants)
               for b in args.batches}
-    mixed = {b: forward_s(model, config, kv, [args.context] * b + [MIXED_PROMPT],
-                          [1] * b + [MIXED_CHUNK], args.repeats, variants)
+    # the second half of a prompt of --context tokens beside decodes at that length (at 1,024:
+    # the steps of vLLM's `random` load, 1,024-token prompts, under a 512-token step budget)
+    mixed = {b: forward_s(model, config, kv, [args.context] * (b + 1),
+                          [1] * b + [args.context - args.context // 2], args.repeats, variants)
              for b in args.mixed}
     return {
         "config": dict(vars(args)), "dtype": dtype_name, "packed_linears": packed,
@@ -138,8 +137,9 @@ def report(result: dict) -> None:
         print(f"  decode batch {b:>3} at {c['context']:,}  {r['ms']:6.1f} ms    floor "
               f"{r['floor_ms']:5.1f} ms    {r['fraction']:.2f}" + against_baseline(r, "ms", 1))
     for b, r in result.get("mixed", {}).items():
-        print(f"  mixed: {b} decodes at {c['context']:,} + a {MIXED_CHUNK}-token chunk over "
-              f"{MIXED_PROMPT - MIXED_CHUNK:,}  {r['ms']:6.1f} ms" + against_baseline(r, "ms", 1))
+        chunk = c["context"] - c["context"] // 2
+        print(f"  mixed: {b} decodes at {c['context']:,} + a {chunk:,}-token chunk over "
+              f"{c['context'] // 2:,}  {r['ms']:6.1f} ms" + against_baseline(r, "ms", 1))
 
 
 def against_baseline(row: dict, unit: str, digits: int) -> str:
@@ -159,8 +159,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024, help="decode: tokens per sequence")
     p.add_argument("--mixed", type=int_list, default=[8], metavar="DECODES",
-                   help=f"mixed steps: these many decodes at --context beside a {MIXED_CHUNK}-"
-                        f"token chunk of a {MIXED_PROMPT:,}-token prompt (empty: none)")
+                   help="mixed steps: these many decodes at --context beside the second half "
+                        "of a prompt as long (empty: none)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-plain", type=plain_parts, default=None, metavar="PARTS",

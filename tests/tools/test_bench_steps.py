@@ -33,11 +33,15 @@ def test_steps_are_timed_against_their_floors(tmp_path):
     for row in decode.values():
         assert 0 < row["floor_ms"] and abs(row["fraction"] - row["floor_ms"] / row["ms"]) < 1e-9
     assert "prefill    256 tokens" in printed and "decode batch   4 at 96" in printed
+    assert set(result["mixed"]) == {"8"} and result["mixed"]["8"]["ms"] > 0
+    assert "mixed: 8 decodes at 96 + a 48-token chunk over 48" in printed
 
 
 def test_plain_skips_fusing_and_packing(tmp_path):
-    result, printed = run(tmp_path, "--plain", "--batches", "1", "--prefill-tokens", "64")
+    result, printed = run(tmp_path, "--plain", "--batches", "1", "--prefill-tokens", "64",
+                          "--mixed", "")
     assert result["packed_linears"] == 0 and "as loaded (--plain)" in printed
+    assert result["mixed"] == {} and "mixed:" not in printed
 
 
 def test_a_baseline_with_parts_off_is_timed_in_turns_beside_the_default(tmp_path):
@@ -47,6 +51,8 @@ def test_a_baseline_with_parts_off_is_timed_in_turns_beside_the_default(tmp_path
         assert row["baseline"] > 0 and row["speedup"] == row["baseline"] / row["ms"]
     for row in result["prefill"].values():
         assert row["speedup"] == row["baseline"] / row["s"]
+    assert result["mixed"]["8"]["speedup"] == result["mixed"]["8"]["baseline"] / \
+        result["mixed"]["8"]["ms"]
     assert "baseline: the same steps with few_rows, write_kv as PyTorch's" in printed
     assert "baseline" not in run(tmp_path)[0]["decode"]["1"]
 
