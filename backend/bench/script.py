@@ -18,8 +18,8 @@ def add_dtype_arg(parser) -> None:
 
 
 def int_list(text: str) -> list[int]:
-    """An argparse type: `1,8,32` -> [1, 8, 32]; `` -> []."""
-    return [int(x) for x in text.split(",") if x]
+    """An argparse type: `1,8,32` -> [1, 8, 32]."""
+    return [int(x) for x in text.split(",")]
 
 
 def save_json(result: dict, out: str | None) -> None:

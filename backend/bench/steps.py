@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--prefill-tokens", type=int_list, default=[512, 2400])
     p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024, help="decode: tokens per sequence")
-    p.add_argument("--mixed", type=int_list, default=[8], metavar="DECODES",
+    p.add_argument("--mixed", type=int_list_or_none, default=[8], metavar="DECODES",
                    help="mixed steps: these many decodes at --context beside the second half "
                         "of a prompt as long (empty: none)")
     p.add_argument("--threads", type=int, default=1)
@@ -170,6 +170,11 @@ def parse_args(argv: list[str] | None = None):
                    help="the limits probe's quick form: to see that it works, not to measure")
     p.add_argument("--out", help="save the result as JSON here")
     return p.parse_args(argv)
+
+
+def int_list_or_none(text: str) -> list[int]:
+    """int_list, and `` for none."""
+    return int_list(text) if text else []
 
 
 def plain_parts(value: str) -> list[str]:
