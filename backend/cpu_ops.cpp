@@ -25,6 +25,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -857,6 +858,14 @@ at::Tensor few_rows_linear_bf16(at::Tensor x, at::Tensor weight,
 }
 #endif  // CPU_CAPABILITY_AVX512
 
+// How many of torch's threads a parallel loop of `tasks` one-task chunks ran on: 1 in a build
+// without OpenMP whatever torch's thread count (what the build's flags are tested by).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<char> ran(at::get_num_threads(), 0);
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { ran[at::get_thread_num()] = 1; });
+  return std::count(ran.begin(), ran.end(), 1);
+}
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -869,6 +878,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "k/v rows stored at their slots of the paged caches");
   m.def("few_rows_linear", &few_rows_linear, "x @ weight.T (+ bias) in fp32 for a few rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("parallel_threads", &parallel_threads, "threads a parallel loop of N tasks ran on");
   m.attr("VECTOR_STEP") = kStep;   // head_dim must be a multiple of it
 #ifdef CPU_CAPABILITY_AVX512
   m.def("few_rows_linear_bf16", &few_rows_linear_bf16,

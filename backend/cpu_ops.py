@@ -37,6 +37,10 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 AVX512 = ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
 AVX2 = ("AVX2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
+# at::parallel_for runs its loop on torch's OpenMP threads only in code compiled with OpenMP;
+# without, every kernel here ran on one thread whatever torch's count (decode at two threads
+# no faster than at one). At run time the extension shares torch's own libgomp (same soname).
+OPENMP = ["-fopenmp"]
 
 _ops = None                 # the compiled module once loaded; False: unavailable (tried once)
 # what plain() can turn off: the elementwise steps, decode attention in place, the KV cache's
@@ -98,27 +102,28 @@ def _build(cpu_flags: frozenset[str]):
     capability, cflags = _instruction_set(cpu_flags)
     _put_ninja_on_path()
     try:
-        source = _source_in_build_dir(capability)
+        cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+                  *cflags, *OPENMP]
+        source = _source_in_build_dir(capability, cflags)
         return cpp_extension.load(
             f"prefixgate_cpu_ops_{capability.lower()}", [str(source)], verbose=False,
-            build_directory=str(source.parent),
-            extra_cflags=["-O3", f"-DCPU_CAPABILITY={capability}",
-                          f"-DCPU_CAPABILITY_{capability}", *cflags])
+            build_directory=str(source.parent), extra_cflags=cflags, extra_ldflags=OPENMP)
     except Exception as e:      # no compiler, no ninja, no headers: plain PyTorch still serves
         log.warning("fused CPU operators unavailable, using PyTorch's (slower): %s",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
 
 
-def _source_in_build_dir(capability: str) -> Path:
-    """A copy of cpu_ops.cpp in the build folder of its content, torch install and instruction
-    set. The builder rebuilds whenever the source's path or its headers' path changes; compiled
+def _source_in_build_dir(capability: str, cflags: list[str]) -> Path:
+    """A copy of cpu_ops.cpp in the build folder of its content, compiler flags, torch install
+    and instruction set. The builder rebuilds whenever the source's path or its headers' path changes; compiled
     from the copy, every install of the same source (a checkout, a wheel, a test's clone) over
     one torch shares one build, and a changed source or another environment's torch gets a
     folder of its own instead of rebuilding another's."""
     text = SOURCE.read_bytes()
     version = torch.__version__.replace("+", "_").replace(".", "_")
-    key = xxhash.xxh64_hexdigest(text + os.path.dirname(torch.__file__).encode())[:12]
+    key = xxhash.xxh64_hexdigest(text + " ".join(cflags).encode()
+                                 + os.path.dirname(torch.__file__).encode())[:12]
     build_dir = cache_root() / "cpu_ops" / f"torch_{version}_{capability.lower()}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     copy = build_dir / SOURCE.name

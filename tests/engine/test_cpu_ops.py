@@ -206,6 +206,25 @@ def test_few_rows_linear_is_f_linear(ops, rows, in_features, out_features):
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_kernels_loops_run_on_torchs_threads_and_give_one_threads_result(ops, threads):
+    # a build without OpenMP ran every loop on one thread whatever torch's count
+    g = torch.Generator().manual_seed(threads)
+    x, weight = torch.randn(8, 576, generator=g), torch.randn(960, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.few_rows_linear(x, weight)
+        torch.set_num_threads(threads)
+        used = ops.parallel_threads(64)
+        shared = ops.few_rows_linear(x, weight)
+    finally:
+        torch.set_num_threads(before)
+    assert used == threads
+    assert torch.equal(shared, alone)           # each output computed whole by one thread
+
+
+@needs_compiler
 def test_few_rows_linear_refuses_what_it_cannot_multiply(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.few_rows_linear(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8))
