@@ -1,16 +1,18 @@
 """The two engines of the vLLM comparison (bench/vs_vllm.py) as servers on loopback, each a
-process tree on the same core from its first instruction, and what such a tree holds and uses.
+process tree on the same cores (one, or a set) from its first instruction, and what such a tree
+holds and uses.
 
-Ours: `prefixgate backend` under `taskset -c CORE`, torch on one thread (OMP_NUM_THREADS). vLLM:
-the CPU build's server (proxy/testing/real_vllm.py, `taskset=True`) under `taskset -c CORE` too,
-so the API server, the engine core and all their threads are on the core from their start, and
-vLLM's OpenMP thread is bound to it (VLLM_CPU_OMP_THREADS_BIND). Once ready, every thread of each
-tree is checked to be on that core and nothing else (`check_pinned`); a core that cannot be
-used, or a thread found elsewhere, raises PinningError: nothing is silently left unpinned.
+Ours: `prefixgate backend` under `taskset -c CORES`, torch on one thread per core
+(OMP_NUM_THREADS). vLLM: the CPU build's server (proxy/testing/real_vllm.py, `taskset=True`)
+under `taskset -c CORES` too, so the API server, the engine core and all their threads are on
+the cores from their start, and vLLM's OpenMP threads are bound one to each
+(VLLM_CPU_OMP_THREADS_BIND). Once ready, every thread of each tree is checked to be on those
+cores and no other (`check_pinned`); a core that cannot be used, or a thread found elsewhere,
+raises PinningError: nothing is silently left unpinned.
 
 While the engines are measured, `CpuMeter` reads each tree's CPU seconds before and after each
-part: a tree on one core cannot use more CPU seconds than wall seconds, so more (beyond the
-clock tick's rounding) is a pinning failure that `failures` names.
+part: a tree on N cores cannot use more CPU seconds than N times the wall seconds, so more
+(beyond the clock tick's rounding) is a pinning failure that `failures` names.
 """
 from __future__ import annotations
 
@@ -36,12 +38,18 @@ class Settings:
 
     model: str
     dtype: str                      # float32 | bfloat16
-    core: int                       # the one CPU both run on
+    cores: tuple[int, ...]          # the CPUs both run on (one thread per core each)
     max_num_batched_tokens: int     # the chunked-prefill step budget
     max_model_len: int
     kvcache_gib: int
     log_dir: Path | None = None
     vllm_compiled: bool = True      # vLLM's default (torch.compile); False: --enforce-eager
+
+
+    @property
+    def taskset(self) -> str:
+        """The cores as taskset and VLLM_CPU_OMP_THREADS_BIND take them: `0` or `0,1`."""
+        return ",".join(map(str, self.cores))
 
 
 @dataclass
@@ -53,17 +61,20 @@ class Running:
 
 @contextlib.contextmanager
 def ours(s: Settings):
-    """The bundled engine in a process of its own, pinned to `s.core` from its start."""
+    """The bundled engine in a process of its own, pinned to `s.cores` from its start, torch
+    on as many threads."""
+    threads = str(len(s.cores))
     engine = engine_process(
         s.model, "--dtype", s.dtype, "--served-model-name", SERVED_NAME,
         "--kv-cache-memory", f"{s.kvcache_gib}GiB", "--max-model-len", str(s.max_model_len),
         "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--log-level", "warning",
-        cores=str(s.core), env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        cores=s.taskset, env={**os.environ, "OMP_NUM_THREADS": threads,
+                              "MKL_NUM_THREADS": threads},
         log=s.log_dir / "ours.log" if s.log_dir else None)
-    check_core(s.core)
+    check_cores(s.cores)
     try:
         engine.start().wait_ready(READY_TIMEOUT_S)
-        check_pinned(engine.pid, s.core)
+        check_pinned(engine.pid, s.cores)
         yield Running("ours", engine.url, engine.pid)
     finally:
         engine.stop()
@@ -72,16 +83,16 @@ def ours(s: Settings):
 @contextlib.contextmanager
 def vllm(s: Settings):
     """vLLM's CPU server on the same model file (exported to a Hugging Face directory), its
-    whole process tree on `s.core` from its start; compiled (vLLM's default) unless
+    whole process tree on `s.cores` from its start; compiled (vLLM's default) unless
     `s.vllm_compiled` is False."""
     args = ["--max-model-len", str(s.max_model_len),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-    check_core(s.core)
+    check_cores(s.cores)
     with vllm_servers(1, s.model, dtype=s.dtype, served_model_name=SERVED_NAME, args=args,
                       kv_events=False, kvcache_gib=s.kvcache_gib, log_dir=s.log_dir,
-                      cores=[str(s.core)], eager=not s.vllm_compiled, taskset=True,
+                      cores=[s.taskset], eager=not s.vllm_compiled, taskset=True,
                       timeout=READY_TIMEOUT_S) as (server,):
-        check_pinned(server.pid, s.core)
+        check_pinned(server.pid, s.cores)
         yield Running("vllm", server.url, server.pid)
 
 
@@ -111,21 +122,27 @@ class PinningError(RuntimeError):
     which core, and which process or thread, and what it used."""
 
 
-def online_cores() -> set[int]:
-    """This machine's online CPUs (/sys's list, e.g. `0-1,4`)."""
+def cpu_list(text: str) -> tuple[int, ...]:
+    """A CPU list as /sys and taskset write it (`0`, `0,1`, `0-1,4`), sorted, each CPU once."""
     cores: set[int] = set()
-    for span in Path("/sys/devices/system/cpu/online").read_text().strip().split(","):
+    for span in text.strip().split(","):
         first, _, last = span.partition("-")
         cores.update(range(int(first), int(last or first) + 1))
-    return cores
+    return tuple(sorted(cores))
 
 
-def check_core(core: int) -> None:
-    """PinningError unless `core` is one of this machine's online CPUs."""
+def online_cores() -> set[int]:
+    """This machine's online CPUs."""
+    return set(cpu_list(Path("/sys/devices/system/cpu/online").read_text()))
+
+
+def check_cores(cores: tuple[int, ...]) -> None:
+    """PinningError unless every one of `cores` is one of this machine's online CPUs."""
     online = online_cores()
-    if core not in online:
-        raise PinningError(f"cannot pin to core {core}: this machine's online cores are "
-                           f"{', '.join(map(str, sorted(online)))}")
+    missing = [c for c in cores if c not in online]
+    if missing:
+        raise PinningError(f"cannot pin to core {', '.join(map(str, missing))}: this machine's "
+                           f"online cores are {', '.join(map(str, sorted(online)))}")
 
 
 def _threads(pid: int) -> list[int]:
@@ -157,20 +174,22 @@ def tree_threads(root: int) -> list[dict]:
     return out
 
 
-def check_pinned(root: int, core: int) -> None:
-    """PinningError unless every thread of every process under `root` is on `core` alone."""
-    stray = []
+def check_pinned(root: int, cores: tuple[int, ...]) -> None:
+    """PinningError unless every thread of every process under `root` may run on `cores` and
+    no other (a thread bound to one of them is on them)."""
+    allowed, stray = set(cores), []
     for pid in tree_pids(root):
         for tid in _threads(pid):
             try:
-                cores = os.sched_getaffinity(tid)
+                runs_on = os.sched_getaffinity(tid)
             except ProcessLookupError:                 # ended since listed: runs nowhere
                 continue
-            if cores != {core}:
+            if not runs_on <= allowed:
                 stray.append(f"{_name(pid)} (pid {pid}) thread {tid} on cores "
-                             f"{','.join(map(str, sorted(cores)))}")
+                             f"{','.join(map(str, sorted(runs_on)))}")
     if stray:
-        raise PinningError(f"not pinned to core {core}: " + "; ".join(stray[:8])
+        raise PinningError(f"not pinned to core {','.join(map(str, cores))}: "
+                           + "; ".join(stray[:8])
                            + (f" and {len(stray) - 8} more" if len(stray) > 8 else ""))
 
 

@@ -3,13 +3,14 @@
 The same model (`--model`, smollm2 by default: the GGUF for ours, its Hugging Face export for
 vLLM, with the same weights and token ids), the same dtype, prompts (seeded random token ids),
 step budget and KV cache size; each engine a server on loopback whose whole process tree runs
-on one core (`--core`) from its launch (bench/pinned_servers.py); the engines measured one
-after the other, never at once, client-side over HTTP streaming from another core
-(`--client-core`: this process and vLLM's client); vLLM compiled, as it runs by default
+on the same cores (`--cores`: one, or a set such as `0,1`, one thread per core each) from its
+launch (bench/pinned_servers.py); the engines measured one after the other, never at once,
+client-side over HTTP streaming from another core (`--client-core`: this process and vLLM's
+client; with every core the engines', the client shares them); vLLM compiled, as it runs by default
 (`--vllm-mode eager`: `--enforce-eager`); a warm-up request first, fixed output lengths
 (`ignore_eos`), medians over `--repeats`.
-First, the machine's limits on that core (bench/limits.py, in a process of its own under
-`taskset`): each engine's TTFT and decode figures are also reported as fractions of their
+First, the machine's limits on those cores (bench/limits.py, in a process of its own under
+`taskset`, one thread per core): each engine's TTFT and decode figures are also reported as fractions of their
 floors (floor / measured: 1.0 is the machine's limit).
   agree    greedy agreement: a few chats, `return_token_ids`: per chat, are the prompt's and
            the answer's token ids the same, and where does the answer first differ.
@@ -27,8 +28,8 @@ Then the memory of each server's process tree. Ratios are ours over vLLM in spee
 faster) and in memory (<1: ours holds less). Targets: TTFT with a cached prefix >= 1.0x,
 decode tok/s >= 0.8x.
 Fairness, checked: each tree's CPU seconds are read before and after every part (and every
-tier, batch and client run); a tree on one core that used more CPU seconds than wall seconds
-is a pinning failure: the run says so, saves what it has and exits with 1. The JSON records
+tier, batch and client run); a tree on N cores that used more CPU seconds than N times the wall
+seconds is a pinning failure: the run says so, saves what it has and exits with 1. The JSON records
 `lscpu`, and each tree's processes with their thread counts and cores once ready and at the
 end.
 """
@@ -256,15 +257,15 @@ def _value(kind: str, x: float) -> str:
 
 def report(result: dict) -> None:
     cfg = result["config"]
-    client = result.get("client_core")
+    client, cores = result.get("client_core"), _cores(cfg)
     print(f"\nbundled engine vs vLLM {result.get('vllm_version', '')} "
           f"({cfg.get('vllm_mode', 'eager')}): {cfg['model']}, "
-          f"{cfg['dtype']}, both on core {cfg['core']} from launch (client on "
-          f"{'core ' + str(client) if client is not None else 'the same core'}), step budget "
+          f"{cfg['dtype']}, both on {cores} from launch (client on "
+          f"{'core ' + str(client) if client is not None else 'the same cores'}), step budget "
           f"{cfg['max_num_batched_tokens']} tokens, medians of {cfg['repeats']}")
     if "limits" in result:
         lim = result["limits"]["limits"]
-        print(f"  limits of core {cfg['core']} ({lim['cpu']['model_name']}): GEMM "
+        print(f"  limits of {cores} ({lim['cpu']['model_name']}): GEMM "
               + ", ".join(f"{d} {g:,.0f} GFLOP/s" for d, g in lim["gemm_gflops"].items())
               + f"; memory read {lim['bandwidth_gbs']:.1f} GB/s")
     for name, figures in result["engines"].items():
@@ -302,6 +303,14 @@ def report(result: dict) -> None:
               f"{_value(row['kind'], row['vllm']):>11} {ratio_text}{floor}{verdict}")
 
 
+def _cores(cfg: dict) -> str:
+    """`core 0`, or `cores 0,1 (2 threads each)` (`core` in JSON saved before `--cores`)."""
+    cores = cfg.get("cores", [cfg.get("core")])
+    if len(cores) == 1:
+        return f"core {cores[0]}"
+    return f"cores {','.join(map(str, cores))} ({len(cores)} threads each)"
+
+
 def _value(kind: str, x: float | None) -> str:
     if x is None:
         return "-"
@@ -321,12 +330,14 @@ def _fractions(figures: dict) -> str:
 
 
 def machine_limits(args, sizes: Sizes) -> dict:
-    """The limits probe (bench/limits.py) on the engines' core, in a process of its own under
-    `taskset`, at one thread as the engines run: its JSON (Floors.from_dict reads it)."""
+    """The limits probe (bench/limits.py) on the engines' cores, in a process of its own under
+    `taskset`, at one thread per core as the engines run: its JSON (Floors.from_dict reads
+    it)."""
     with tempfile.TemporaryDirectory(prefix="prefixgate-limits-") as tmp:
         out = Path(tmp) / "limits.json"
-        cmd = ["taskset", "-c", str(args.core), sys.executable, "-m",
-               "prefixgate.backend.bench.limits", "--model", args.model, "--threads", "1",
+        cmd = ["taskset", "-c", ",".join(map(str, args.cores)), sys.executable, "-m",
+               "prefixgate.backend.bench.limits", "--model", args.model,
+               "--threads", str(len(args.cores)),
                "--prefill-tokens", ",".join(map(str, args.tiers)),
                "--batches", ",".join(map(str, args.batches)),
                "--context", str(sizes.decode_context), "--out", str(out)]
@@ -336,11 +347,12 @@ def machine_limits(args, sizes: Sizes) -> dict:
 
 def client_core(args) -> int | None:
     """The core this process (our client, vLLM's client) runs on: `--client-core`, else the
-    first core this process may use that is not the engines'; None on a one-core machine."""
+    first core this process may use that is not the engines'; None (wherever it runs) when
+    the engines have every one."""
     if args.client_core is not None:
-        pinned_servers.check_core(args.client_core)
+        pinned_servers.check_cores((args.client_core,))
         return args.client_core
-    others = sorted(os.sched_getaffinity(0) - {args.core})
+    others = sorted(os.sched_getaffinity(0) - set(args.cores))
     return others[0] if others else None
 
 
@@ -368,16 +380,16 @@ def this_process_on(core: int | None):
 def run(args) -> dict:
     sizes = Sizes(args.quick)
     settings = pinned_servers.Settings(
-        args.model, args.dtype, args.core, args.max_num_batched_tokens, args.max_model_len,
+        args.model, args.dtype, args.cores, args.max_num_batched_tokens, args.max_model_len,
         args.kvcache_gib, Path(args.log_dir) if args.log_dir else None,
         vllm_compiled=args.vllm_mode == "compiled")
-    pinned_servers.check_core(args.core)
+    pinned_servers.check_cores(args.cores)
     for folder in (settings.log_dir, args.profile):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
     core = client_core(args)
-    if core == args.core:
-        print(f"warning: the client runs on the engines' core {core}", file=sys.stderr)
+    if core is None or core in args.cores:
+        print(f"warning: the client shares the engines' {_cores(vars(args))}", file=sys.stderr)
     result = {"config": dict(vars(args)), "vllm_version": VLLM_VERSION, "targets": TARGETS,
               "client_core": core, "engines": {}}
     with this_process_on(core):
@@ -400,7 +412,7 @@ def measure_engine(name: str, settings: pinned_servers.Settings, args, sizes: Si
                    floors: Floors, result: dict) -> None:
     """One engine started, measured (its tree's CPU seconds per part, its threads once ready
     and at the end) and stopped, into `result["engines"][name]`; PinningError (after saving
-    what was measured) when it used more than its core."""
+    what was measured) when it used more than its cores."""
     # vLLM's client imports vLLM (~10 s a run, on this process's core) while the engine starts
     clients = vllm_client.start_clients(args.quick) if "vllm_client" in args.parts else []
     t0 = time.monotonic()
@@ -411,7 +423,7 @@ def measure_engine(name: str, settings: pinned_servers.Settings, args, sizes: Si
             for client in clients:
                 client.wait_imported()          # done before anything is measured
             threads = {"ready": pinned_servers.tree_threads(server.pid)}
-            meter = pinned_servers.CpuMeter(server.pid, cores=1)
+            meter = pinned_servers.CpuMeter(server.pid, cores=len(args.cores))
             with pinned_servers.profiled(server.pid, profile):
                 figures = result["engines"][name] = asyncio.run(
                     measure(server, args, sizes, meter, clients))
@@ -448,7 +460,9 @@ def parse_args(argv: list[str] | None = None):
                    help="ttft: prompt lengths (default 512,2400,8000; --quick 256)")
     p.add_argument("--batches", type=int_list, default=None,
                    help="decode: concurrent generations (default 1,8,32; --quick 1,4)")
-    p.add_argument("--core", type=int, default=1, help="the CPU both engines run on")
+    p.add_argument("--cores", "--core", type=pinned_servers.cpu_list, default=(1,),
+                   help="the CPUs both engines run on, one thread per core each: 0, or 0,1 "
+                        "(default 1)")
     p.add_argument("--client-core", type=int, default=None,
                    help="the CPU the clients run on (default: another one than --core)")
     p.add_argument("--vllm-mode", choices=("compiled", "eager"), default=None,

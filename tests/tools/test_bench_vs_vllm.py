@@ -1,7 +1,7 @@
 """`python -m prefixgate.backend.bench.vs_vllm --quick`: the bundled engine and real vLLM each
-start on one core from launch, every part runs against both, and the side-by-side table and the
-JSON carry every figure of both; a tree that uses more than its core is caught, and a core that
-cannot be used is an error, not a tree left unpinned."""
+start on the same cores (one, or a set) from launch, every part runs against both, and the
+side-by-side table and the JSON carry every figure of both; a tree that uses more than its cores
+is caught, and a core that cannot be used is an error, not a tree left unpinned."""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +30,7 @@ two_cores = pytest.mark.skipif(len(cores_here()) < 2, reason="needs two cores")
 
 
 @contextlib.contextmanager
-def spinning_tree(spinners: list[int | None], outer: int | None = None):
+def spinning_tree(spinners: list[int | None], outer: int | str | None = None):
     """A real process tree: a shell that starts one busy loop per entry of `spinners`, each
     under `taskset -c` its core (None: wherever the shell runs); the shell itself under
     `taskset -c outer` when given. Yields the shell's pid once the loops run; killed after."""
@@ -72,7 +72,7 @@ def test_a_tree_on_two_cores_is_a_pinning_failure():
     a, b = cores_here()[:2]
     with spinning_tree([a, a, a, b, b, b]) as pid:      # three a core: a fair share of a busy one
         with pytest.raises(PinningError, match=f"not pinned to core {b}: .*cores {a}"):
-            pinned_servers.check_pinned(pid, b)
+            pinned_servers.check_pinned(pid, (b,))
         # the loops get more than one core's worth only while little else runs (CI runs two
         # test workers on two cores): a few half-second windows, until one shows it
         for _ in range(8):
@@ -88,6 +88,29 @@ def test_a_tree_on_two_cores_is_a_pinning_failure():
                     f"{spin['wall_s']:.2f} wall-s (spin, 1 core)")
 
 
+@two_cores
+def test_a_tree_on_a_set_of_cores_may_use_each_and_no_more():
+    a, b = cores_here()[:2]
+    # threads bound to one core of the set, and one free to run on both, as vLLM's OpenMP
+    # threads and its API server are
+    with spinning_tree([a, b, None], outer=f"{a},{b}") as pid:
+        pinned_servers.check_pinned(pid, (a, b))
+        with pytest.raises(PinningError, match=f"not pinned to core {a}: .*cores {a},{b}"):
+            pinned_servers.check_pinned(pid, (a,))
+        meter = CpuMeter(pid, cores=2)
+        with meter.part("spin"):
+            time.sleep(1.0)
+    assert meter.failures("spinner") == []
+
+
+def test_a_cpu_list_is_read_as_taskset_writes_it():
+    assert pinned_servers.cpu_list("1") == (1,)
+    assert pinned_servers.cpu_list("1,0") == (0, 1)
+    assert pinned_servers.cpu_list("0-2,5,2\n") == (0, 1, 2, 5)
+    with pytest.raises(ValueError):
+        pinned_servers.cpu_list("zero")
+
+
 def test_the_slack_is_the_clock_ticks_rounding_and_no_more():
     tick = pinned_servers.CLOCK_TICK_S
     assert not pinned_servers.over_cores(1.0, 1.0, cores=1, processes=1)
@@ -99,7 +122,7 @@ def test_the_slack_is_the_clock_ticks_rounding_and_no_more():
 def test_a_tree_on_one_core_is_not_flagged():
     core = cores_here()[-1]                # off core 0, where others may be measuring
     with spinning_tree([None, None], outer=core) as pid:    # two loops share the core
-        pinned_servers.check_pinned(pid, core)
+        pinned_servers.check_pinned(pid, (core,))
         threads = pinned_servers.tree_threads(pid)
         meter = metered(pid)
     assert len(threads) >= 3 and all(p["threads"] == 1 and p["cores"] == [core]
@@ -113,7 +136,7 @@ def test_an_unpinned_process_is_an_error_not_a_warning():
     proc = subprocess.Popen(["sleep", "30"])
     try:
         with pytest.raises(PinningError, match=f"not pinned to core {cores_here()[-1]}: sleep"):
-            pinned_servers.check_pinned(proc.pid, cores_here()[-1])
+            pinned_servers.check_pinned(proc.pid, (cores_here()[-1],))
     finally:
         proc.kill()
         proc.wait()
@@ -123,8 +146,8 @@ def test_a_core_that_does_not_exist_is_an_error(capsys):
     core = max(pinned_servers.online_cores()) + 1
     with pytest.raises(PinningError, match=f"cannot pin to core {core}: this machine's online "
                                            "cores are 0"):
-        pinned_servers.check_core(core)
-    settings = pinned_servers.Settings("demo", "float32", core, 512, 1024, 1)
+        pinned_servers.check_cores((core,))
+    settings = pinned_servers.Settings("demo", "float32", (0, core), 512, 1024, 1)
     with pytest.raises(PinningError, match=f"cannot pin to core {core}"):
         with pinned_servers.ours(settings):
             pass
@@ -142,23 +165,31 @@ def test_profile_without_py_spy_is_a_usage_error_before_anything_starts(monkeypa
 
 @pytest.mark.timeout(300)
 def test_quick_run_of_ours_alone_records_limits_cpu_seconds_and_threads(tmp_path, capsys):
-    out, core = tmp_path / "vs.json", cores_here()[-1]
-    assert vs_vllm.main(["--quick", "--engines", "ours", "--model", "demo", "--core", str(core),
-                         "--parts", "ttft,decode", "--out", str(out)]) == 0
+    # on every core of this machine, a thread each: the client shares them
+    out, cores = tmp_path / "vs.json", cores_here()
+    assert vs_vllm.main(["--quick", "--engines", "ours", "--model", "demo",
+                         "--cores", ",".join(map(str, cores)), "--parts", "ttft,decode",
+                         "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["limits"]["limits"]["cores"] == [core]
+    limits = result["limits"]["limits"]
+    assert limits["cores"] == cores and limits["threads"] == len(cores)
+    assert result["client_core"] is None
     assert result["cpu"]["model_name"] and "Flags" in result["cpu"]["lscpu"]
     assert result["floors"]["ttft"]["256"]["cold_s"] > 0
     ours = result["engines"]["ours"]
     assert set(ours["cpu"]) == {"warm-up", "ttft 256", "decode 1", "decode 4"}
     for part in ours["cpu"].values():
-        assert 0 < part["cpu_s"] <= part["wall_s"] * 1.05 + 0.1
+        assert 0 < part["cpu_s"] <= part["wall_s"] * len(cores) * 1.05 + 0.1
     for when in ("ready", "end"):
         (engine,) = ours["threads"][when]
-        assert engine["threads"] >= 1 and engine["cores"] == [core]
+        assert engine["threads"] >= len(cores) and engine["cores"] == cores
     fractions = ours["of_floor"]
     assert fractions["ttft"]["256"]["cold"] > 0 and fractions["decode"]["1"] > 0
-    assert "CPU-s in" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "CPU-s in" in printed.out
+    if len(cores) > 1:
+        assert f"cores {','.join(map(str, cores))} ({len(cores)} threads each)" in printed.out
+        assert "warning: the client shares the engines' cores" in printed.err
 
 
 @pytest.mark.vllm
