@@ -116,10 +116,10 @@ def _build(cpu_flags: frozenset[str]):
 
 def _source_in_build_dir(capability: str, cflags: list[str]) -> Path:
     """A copy of cpu_ops.cpp in the build folder of its content, compiler flags, torch install
-    and instruction set. The builder rebuilds whenever the source's path or its headers' path changes; compiled
-    from the copy, every install of the same source (a checkout, a wheel, a test's clone) over
-    one torch shares one build, and a changed source or another environment's torch gets a
-    folder of its own instead of rebuilding another's."""
+    and instruction set. The builder rebuilds whenever the source's path or its headers' path
+    changes; compiled from the copy, every install of the same source (a checkout, a wheel, a
+    test's clone) over one torch shares one build, and a changed source, other flags or another
+    environment's torch get a folder of their own instead of rebuilding another's."""
     text = SOURCE.read_bytes()
     version = torch.__version__.replace("+", "_").replace(".", "_")
     key = xxhash.xxh64_hexdigest(text + " ".join(cflags).encode()

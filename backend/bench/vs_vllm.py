@@ -10,8 +10,8 @@ client; with every core the engines', the client shares them); vLLM compiled, as
 (`--vllm-mode eager`: `--enforce-eager`); a warm-up request first, fixed output lengths
 (`ignore_eos`), medians over `--repeats`.
 First, the machine's limits on those cores (bench/limits.py, in a process of its own under
-`taskset`, one thread per core): each engine's TTFT and decode figures are also reported as fractions of their
-floors (floor / measured: 1.0 is the machine's limit).
+`taskset`, one thread per core): each engine's TTFT and decode figures are also reported as
+fractions of their floors (floor / measured: 1.0 is the machine's limit).
   agree    greedy agreement: a few chats, `return_token_ids`: per chat, are the prompt's and
            the answer's token ids the same, and where does the answer first differ.
   ttft     TTFT at each of `--tiers` prompt tokens, cold, and with a cached prefix: 80% of the
