@@ -45,7 +45,6 @@ class Settings:
     log_dir: Path | None = None
     vllm_compiled: bool = True      # vLLM's default (torch.compile); False: --enforce-eager
 
-
     @property
     def taskset(self) -> str:
         """The cores as taskset and VLLM_CPU_OMP_THREADS_BIND take them: `0` or `0,1`."""

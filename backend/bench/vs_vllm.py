@@ -464,7 +464,8 @@ def parse_args(argv: list[str] | None = None):
                    help="the CPUs both engines run on, one thread per core each: 0, or 0,1 "
                         "(default 1)")
     p.add_argument("--client-core", type=int, default=None,
-                   help="the CPU the clients run on (default: another one than --core)")
+                   help="the CPU the clients run on (default: one not in --cores; none "
+                        "left: the clients share the engines' cores)")
     p.add_argument("--vllm-mode", choices=("compiled", "eager"), default=None,
                    help="vLLM compiled (its default: torch.compile) or --enforce-eager "
                         "(default: compiled; eager with --quick, which starts 1-2 min sooner)")
