@@ -157,6 +157,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def distinct_free_ports(host: str = "127.0.0.1") -> Callable[[], int]:
+    """free_port() for ports chosen together: each call a port no earlier call gave (the
+    kernel may offer a port it has just released again, so two free_port() calls can give
+    one port twice: two endpoints of one engine on one address)."""
+    given: set[int] = set()
+
+    def next_port() -> int:
+        port = free_port(host)
+        while port in given:
+            port = free_port(host)
+        given.add(port)
+        return port
+    return next_port
+
+
 def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A socket listening on host:port (0: a free port) for a child to serve on (handed down
     with Popen's pass_fds, named by the engine's --listen-fd): the port is held from the

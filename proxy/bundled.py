@@ -14,7 +14,7 @@ import sys
 
 from prefixgate.backend.config import engine_configs, parse_kv_events_config, subscriber_endpoint
 from prefixgate.common.processes import ServerProcess
-from prefixgate.common.runtime import free_port, listening_socket
+from prefixgate.common.runtime import distinct_free_ports, listening_socket
 from prefixgate.proxy import pd
 from prefixgate.proxy.upstream.upstreams import check_upstreams
 
@@ -45,7 +45,7 @@ class BundledEngines:
         if config is None:
             return [None] * len(self.roles)
         return engine_configs(config, len(self.roles),
-                              free_port=lambda: free_port(self.cfg["host"]))
+                              free_port=distinct_free_ports(self.cfg["host"]))
 
     def _reachable(self, config, key: str) -> str | None:
         endpoint = getattr(config, key) if config is not None and config.publishes else None

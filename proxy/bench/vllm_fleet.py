@@ -45,7 +45,7 @@ from pathlib import Path
 from prefixgate.backend.config import served_name
 from prefixgate.common.cache_root import cache_root
 from prefixgate.common.processes import ServerProcess
-from prefixgate.common.runtime import free_port
+from prefixgate.common.runtime import distinct_free_ports
 from prefixgate.proxy.bench import seed
 from prefixgate.proxy.bench.stats import fmt, reduction
 from prefixgate.proxy.testing import real_vllm, vllm_install
@@ -203,7 +203,8 @@ class SGLangRouter:
 
     def __init__(self, workers: list[str], balance_abs: float, log_dir: Path | None):
         self.workers, self.balance_abs, self.log_dir = workers, balance_abs, log_dir
-        self.port, self.metrics_port = free_port(), free_port()
+        next_port = distinct_free_ports()
+        self.port, self.metrics_port = next_port(), next_port()
         self.process: ServerProcess | None = None
 
     @property

@@ -43,6 +43,7 @@ from prefixgate.backend.kv_tier import GIB
 from prefixgate.backend.model_runner import kv_block_bytes
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.common.block_hash import block_hash_chain
+from prefixgate.common.runtime import distinct_free_ports
 from prefixgate.proxy.bundled import BundledEngines
 from prefixgate.proxy.config import gateway as config_mod
 from tests.engine.helpers import complete_ids, metrics, prompt_of
@@ -512,6 +513,14 @@ def test_port_0_gives_each_bundled_engine_a_free_port_the_gateway_knows():
     assert len(ports) == 4 and 0 not in ports
     assert (json.loads(engines.engine_args(1)[1])["endpoint"]
             == engines.kv_events_endpoints[1].replace("127.0.0.1", "*"))
+
+
+def test_ports_chosen_together_never_repeat():
+    # the kernel offers a port it has just released again: 500 free_port() calls repeat ~9
+    # (a birthday bound over its ports), and two sockets of one engine given one port stopped
+    # the gateway at start-up ("would bind ... the address of engine 0's endpoint")
+    next_port = distinct_free_ports()
+    assert len({next_port() for _ in range(500)}) == 500
 
 
 # --- through the HTTP server -------------------------------------------------------------------
