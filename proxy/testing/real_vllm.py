@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefixgate.common.processes import ServerProcess
-from prefixgate.common.runtime import free_port
+from prefixgate.common.runtime import distinct_free_ports, free_port
 from prefixgate.proxy.testing.vllm_install import (
     VLLMUnavailable,
     clean_env,
@@ -184,15 +184,15 @@ def vllm_servers(n: int = 1, model: str = "smollm2", *, dtype: str = "float32",
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     cores = cores or core_sets(n)
-    servers = []
+    servers, next_port = [], distinct_free_ports()       # no port given twice
     for i in range(n):
         servers.append(VLLMServer(
-            model_dir, served_model_name, free_port(), cores[i],
+            model_dir, served_model_name, next_port(), cores[i],
             ["--dtype", dtype, *(args or [])],
-            kv_events_port=free_port() if kv_events else None,
-            replay_port=free_port() if kv_events else None,
+            kv_events_port=next_port() if kv_events else None,
+            replay_port=next_port() if kv_events else None,
             log_path=log_dir / f"vllm{i}.log" if log_dir else None,
-            env=nixl_env(free_port()) if nixl else {}, eager=eager, taskset=taskset))
+            env=nixl_env(next_port()) if nixl else {}, eager=eager, taskset=taskset))
     try:
         for server in servers:
             server.start(kvcache_gib, env)
