@@ -99,11 +99,11 @@ def _build(cpu_flags: frozenset[str]):
         return None
     from torch.utils import cpp_extension
 
-    capability, cflags = _instruction_set(cpu_flags)
+    capability, isa_flags = _instruction_set(cpu_flags)
+    cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+              *isa_flags, *OPENMP]
     _put_ninja_on_path()
     try:
-        cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
-                  *cflags, *OPENMP]
         source = _source_in_build_dir(capability, cflags)
         return cpp_extension.load(
             f"prefixgate_cpu_ops_{capability.lower()}", [str(source)], verbose=False,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefixgate.common.processes import ServerProcess
-from prefixgate.common.runtime import distinct_free_ports, free_port
+from prefixgate.common.runtime import distinct_free_ports
 from prefixgate.proxy.testing.vllm_install import (
     VLLMUnavailable,
     clean_env,
@@ -127,13 +127,13 @@ class VLLMServer:
 
     def on_new_ports(self) -> VLLMServer:
         """This server, not started, on fresh ports: one chosen for it was taken between
-        `free_port()` and vLLM's bind (vLLM binds ports of its own while it starts)."""
-        env = self.env
+        choosing it and vLLM's bind (vLLM binds ports of its own while it starts)."""
+        env, next_port = self.env, distinct_free_ports()
         if "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
-            env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            env = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(next_port())}
         events = self.kv_events_port is not None
-        return replace(self, port=free_port(), kv_events_port=free_port() if events else None,
-                       replay_port=free_port() if events else None, env=env, process=None)
+        return replace(self, port=next_port(), kv_events_port=next_port() if events else None,
+                       replay_port=next_port() if events else None, env=env, process=None)
 
     def port_was_taken(self) -> bool:
         """Whether its log says a port it was to bind was in use (the engine core's error,
