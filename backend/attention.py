@@ -3,8 +3,9 @@
 The model never knows how the KV cache is laid out beyond "write these slots, then attend over
 these block tables"; the kernels (Triton on CUDA, plain PyTorch on CPU) live in
 `prefixgate.kernels` and are chosen by `AttentionMetadata.attention_backend`. On a CPU with the
-compiled operators loaded, the default backend writes the cache and decodes through
-backend/cpu_ops.py, which reads the paged cache in place ("torch" still forces the reference).
+compiled operators loaded, the default backend writes the cache, decodes and (fp32) attends a
+prompt's rows through backend/cpu_ops.py, which reads the paged cache in place ("torch" still
+forces the reference).
 """
 from __future__ import annotations
 
@@ -100,10 +101,19 @@ def paged_attention(
         )
     if backend in (None, "auto") and cpu_ops.decodes_in_place(q, k_cache) and meta.decodes_apart:
         return _mixed_on_cpu(q, k_cache, v_cache, meta.decodes_apart, scale)
-    return kernels.paged_prefill_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        backend=backend,
-    )
+    return _prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    scale, backend)
+
+
+def _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+             backend: str | None) -> torch.Tensor:
+    """Prompt rows' attention: on a CPU with the compiled operators (fp32) read in place from
+    the paged cache (cpu_ops), else the kernels' reference or Triton."""
+    if backend in (None, "auto") and cpu_ops.prefills_in_place(q, k_cache):
+        return cpu_ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                               query_start_loc, scale)
+    return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                           query_start_loc, scale, backend=backend)
 
 
 def _mixed_on_cpu(q, k_cache, v_cache, apart: DecodesApart, scale: float) -> torch.Tensor:
@@ -116,9 +126,9 @@ def _mixed_on_cpu(q, k_cache, v_cache, apart: DecodesApart, scale: float) -> tor
     out[apart.decode_rows] = cpu_ops.paged_decode_attention(
         q[apart.decode_rows], k_cache, v_cache, apart.decode_tables, apart.decode_lens, scale)
     if apart.prefill_rows is not None:
-        out[apart.prefill_rows] = kernels.paged_prefill_attention(
+        out[apart.prefill_rows] = _prefill(
             q[apart.prefill_rows], k_cache, v_cache, apart.prefill_tables, apart.prefill_lens,
-            apart.prefill_starts, scale)
+            apart.prefill_starts, scale, None)
     return out
 
 

@@ -866,6 +866,11 @@ int64_t parallel_threads(int64_t tasks) {
   return std::count(ran.begin(), ran.end(), 1);
 }
 
+// cpu_prefill_attention.cpp
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens,
+                                   at::Tensor query_start_loc, double scale);
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -875,6 +880,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged KV cache, read in place");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "new tokens over their paged KV cache, causal, read in place (fp32)");
   m.def("write_kv_", &write_kv_, "k/v rows stored at their slots of the paged caches");
   m.def("few_rows_linear", &few_rows_linear, "x @ weight.T (+ bias) in fp32 for a few rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());

@@ -32,7 +32,9 @@ from prefixgate.common.cache_root import cache_root
 
 log = logging.getLogger("prefixgate.engine")
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# compiled together into one extension: the module and its prefill attention
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_ops.cpp", "cpu_prefill_attention.cpp"))
 # at::vec's instruction sets, best first: the flags /proc/cpuinfo must show and the compiler's
 AVX512 = ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
@@ -43,9 +45,9 @@ AVX2 = ("AVX2", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
 OPENMP = ["-fopenmp"]
 
 _ops = None                 # the compiled module once loaded; False: unavailable (tried once)
-# what plain() can turn off: the elementwise steps, decode attention in place, the KV cache's
-# scatter, the few-rows products
-PARTS = ("elementwise", "decode_attention", "write_kv", "few_rows")
+# what plain() can turn off: the elementwise steps, decode and prefill attention in place, the
+# KV cache's scatter, the few-rows products
+PARTS = ("elementwise", "decode_attention", "prefill_attention", "write_kv", "few_rows")
 _off: frozenset[str] = frozenset()      # inside plain(): these parts run as PyTorch's operators
 
 
@@ -104,34 +106,37 @@ def _build(cpu_flags: frozenset[str]):
               *isa_flags, *OPENMP]
     _put_ninja_on_path()
     try:
-        source = _source_in_build_dir(capability, cflags)
+        sources = _sources_in_build_dir(capability, cflags)
         return cpp_extension.load(
-            f"prefixgate_cpu_ops_{capability.lower()}", [str(source)], verbose=False,
-            build_directory=str(source.parent), extra_cflags=cflags, extra_ldflags=OPENMP)
+            f"prefixgate_cpu_ops_{capability.lower()}", [str(s) for s in sources], verbose=False,
+            build_directory=str(sources[0].parent), extra_cflags=cflags, extra_ldflags=OPENMP)
     except Exception as e:      # no compiler, no ninja, no headers: plain PyTorch still serves
         log.warning("fused CPU operators unavailable, using PyTorch's (slower): %s",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
 
 
-def _source_in_build_dir(capability: str, cflags: list[str]) -> Path:
-    """A copy of cpu_ops.cpp in the build folder of its content, compiler flags, torch install
-    and instruction set. The builder rebuilds whenever the source's path or its headers' path
-    changes; compiled from the copy, every install of the same source (a checkout, a wheel, a
-    test's clone) over one torch shares one build, and a changed source, other flags or another
-    environment's torch get a folder of their own instead of rebuilding another's."""
-    text = SOURCE.read_bytes()
+def _sources_in_build_dir(capability: str, cflags: list[str]) -> list[Path]:
+    """Copies of the sources in the build folder of their content, compiler flags, torch
+    install and instruction set. The builder rebuilds whenever a source's path or its headers'
+    path changes; compiled from the copies, every install of the same sources (a checkout, a
+    wheel, a test's clone) over one torch shares one build, and changed sources, other flags or
+    another environment's torch get a folder of their own instead of rebuilding another's."""
+    texts = [source.read_bytes() for source in SOURCES]
     version = torch.__version__.replace("+", "_").replace(".", "_")
-    key = xxhash.xxh64_hexdigest(text + " ".join(cflags).encode()
+    key = xxhash.xxh64_hexdigest(b"".join(texts) + " ".join(cflags).encode()
                                  + os.path.dirname(torch.__file__).encode())[:12]
     build_dir = cache_root() / "cpu_ops" / f"torch_{version}_{capability.lower()}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    copy = build_dir / SOURCE.name
-    if not copy.is_file() or copy.read_bytes() != text:
-        staged = build_dir / f".{SOURCE.name}.{os.getpid()}"
-        staged.write_bytes(text)
-        staged.replace(copy)        # atomic: a concurrent build never reads half a file
-    return copy
+    copies = []
+    for source, text in zip(SOURCES, texts):
+        copy = build_dir / source.name
+        if not copy.is_file() or copy.read_bytes() != text:
+            staged = build_dir / f".{source.name}.{os.getpid()}"
+            staged.write_bytes(text)
+            staged.replace(copy)        # atomic: a concurrent build never reads half a file
+        copies.append(copy)
+    return copies
 
 
 def _instruction_set(flags: frozenset[str]) -> tuple[str, list[str]]:
@@ -214,6 +219,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -
     most of the step."""
     return _ops.paged_decode_attention(q, k_cache, v_cache, block_tables.int(), seq_lens.int(),
                                        scale)
+
+
+def prefills_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_prefill_attention takes these queries over this cache: fp32 queries and
+    cache on a CPU, head_dim a multiple of the vector step. (bf16 stays with SDPA, whose CPU
+    kernel multiplies bf16 natively where the CPU can.)"""
+    return (uses_fused(q, "prefill_attention") and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and q.shape[-1] % _ops.VECTOR_STEP == 0)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            scale) -> torch.Tensor:
+    """kernels.paged_prefill_attention's contract (prefills_in_place must hold), reading the
+    paged cache where it lies: the reference copies each sequence's cached rows out for every
+    chunk and layer and gives SDPA 64 queries at a time under a mask (cpu_prefill_attention.cpp
+    says what this does instead, and what it measured)."""
+    return _ops.paged_prefill_attention(q, k_cache, v_cache, block_tables.int(),
+                                        seq_lens.int(), query_start_loc.int(), scale)
 
 
 # rows for which few_rows_linear beats MKL's fp32 sgemm and oneDNN's product on a prepacked

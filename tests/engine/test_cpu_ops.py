@@ -1,6 +1,7 @@
 """The compiled CPU operators (backend/cpu_ops.py, cpu_ops.cpp), fp32 and bf16: each
 elementwise step computes what its PyTorch definition does, decode attention over the paged
-cache what the gathering reference does, the few-rows products F.linear's, the KV scatter the
+cache what the gathering reference does, and so does prefill attention (fp32), the few-rows
+products F.linear's, the KV scatter the
 reference's, a model gives the same logits through them, and without
 them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prefixgate.backend import cpu_linear, cpu_ops
 from prefixgate.backend.attention import AttentionMetadata, paged_attention
 from prefixgate.backend.loader import cpu_flags, load_model
 from prefixgate.kernels.decode_attention_ref import decode_attention_ref
+from prefixgate.kernels.prefill_attention_ref import prefill_attention_ref
 from prefixgate.kernels.write_kv_ref import write_kv_ref
 from tests.engine.test_cpu_linear import assert_same_bf16_logits, logits_of
 from tests.helpers import make_tiny_model
@@ -188,6 +190,72 @@ def test_decode_attention_refuses_what_it_cannot_read(ops):
     with pytest.raises(RuntimeError, match="multiple"):
         ops.paged_decode_attention(odd, torch.zeros(2, 16, 2, 20), torch.zeros(2, 16, 2, 20),
                                    tables, seq_lens, 0.125)
+
+
+def prompt_rows(steps: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,
+                block: int):
+    """A shuffled paged fp32 cache for sequences of steps (cached tokens after the step, of
+    which new), their tables, lengths and query starts, and the new rows' queries (a view into
+    qkv rows, as the model passes them)."""
+    _, k_cache, v_cache, tables, seq_lens = paged([max(n, 1) for n, _ in steps], heads,
+                                                  kv_heads, head_dim, torch.float32, block)
+    seq_lens = torch.tensor([n for n, _ in steps], dtype=torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(new for _, new in steps)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(int(starts[-1]))
+    qkv = torch.randn(int(starts[-1]), heads + 2 * kv_heads, head_dim, generator=g)
+    return qkv[:, :heads], k_cache, v_cache, tables, seq_lens, starts
+
+
+@needs_compiler
+@pytest.mark.parametrize("steps,heads,kv_heads,head_dim,block", [
+    ([(2048, 512)], 9, 3, 64, 16),          # SmolLM2: a chunk over a cached prefix
+    ([(300, 300)], 9, 3, 64, 16),           # a cold prompt: the causal triangle alone
+    ([(37, 5), (90, 1), (64, 64), (200, 17)], 8, 2, 64, 16),  # ragged, a decode among them
+    ([(45, 45), (9, 2)], 6, 3, 64, 8),      # blocks narrower than a group of keys
+    ([(130, 70), (33, 33)], 7, 1, 128, 32),  # 7 heads on one KV head, a wider head, wide blocks
+    ([(20, 33), (0, 0), (5, 5)], 4, 4, 64, 16),  # more new rows than cached (zeros), an empty one
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_attention_reads_the_paged_cache_in_place_as_the_reference_does(
+        ops, steps, heads, kv_heads, head_dim, block, threads):
+    q, k_cache, v_cache, tables, seq_lens, starts = prompt_rows(steps, heads, kv_heads,
+                                                                head_dim, block)
+    expected = prefill_attention_ref(q, k_cache, v_cache, tables, seq_lens, starts,
+                                     head_dim ** -0.5)
+    assert cpu_ops.prefills_in_place(q, k_cache)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts,
+                                              head_dim ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    assert got.isfinite().all()
+
+
+@needs_compiler
+def test_prefill_attention_refuses_what_it_cannot_read(ops):
+    q, k_cache, v_cache, tables, seq_lens, starts = prompt_rows([(40, 8)], 6, 2, 64, 16)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens + 10_000, starts, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables.long(), seq_lens, starts, 0.125)
+    with pytest.raises(RuntimeError, match="from 0 to T"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts + 1, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.paged_prefill_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
+                                    seq_lens, starts, 0.125)
+    assert not cpu_ops.prefills_in_place(q.bfloat16(), k_cache.bfloat16())   # SDPA's, in bf16
+    odd = torch.zeros(8, 4, 20)
+    assert not cpu_ops.prefills_in_place(odd, torch.zeros(2, 16, 2, 20))   # the reference's
+    with pytest.raises(RuntimeError, match="multiple"):
+        ops.paged_prefill_attention(odd, torch.zeros(2, 16, 2, 20), torch.zeros(2, 16, 2, 20),
+                                    tables, seq_lens, starts, 0.125)
+    with cpu_ops.plain("prefill_attention"):
+        assert not cpu_ops.prefills_in_place(q, k_cache)
+        assert cpu_ops.decodes_in_place(q, k_cache)
 
 
 @needs_compiler
