@@ -6,7 +6,8 @@
 // conversions and its own dispatch. On one core (Xeon with AMX, SmolLM2, 512 tokens) they took
 // ~1.9 ms per layer in bf16, as much as a third of a prefill chunk. Here each is one pass:
 // values are widened to fp32 once, computed, and rounded to the activations' dtype once.
-// Decode attention reads the paged KV cache where it lies (see paged_decode_attention), new keys
+// Decode attention reads the paged KV cache where it lies (see paged_decode_attention; fp32
+// prefill attention does too, in cpu_prefill_attention.cpp, registered below), new keys
 // and values are stored in it by one copy per row (write_kv_), and a decode step's few rows are
 // multiplied with the weight read once for all of them (few_rows_linear, fp32 and bf16).
 //

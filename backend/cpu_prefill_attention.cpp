@@ -4,18 +4,18 @@
 // Why: the reference (kernels/prefill_attention_ref.py) copies a sequence's whole cached prefix
 // out of the paged cache for every chunk and layer and hands it to SDPA 64 queries at a time
 // under an explicit mask. On one Zen 3 core (SmolLM2's 9 query and 3 KV heads of 64, fp32) a
-// 512-token chunk over a 1,536-token cached prefix spent 38 ms per layer there, as long as all
-// of the layer's products, and SDPA's loops gained only 1.4-1.6x from a second thread.
+// 512-token chunk over a 1,536-token cached prefix spent 38 ms per layer there, about as long as
+// the layer's products, and SDPA's loops gained only 1.4-1.6x from a second thread.
 //
-// How: a task is one sequence's KV head and a tile of kTilePositions consecutive query
-// positions, with the G query heads that share the KV head: its rows (position, head) stay in
-// L1 with their running max, sum and output (flash attention's online softmax). The cache is
-// walked in chunks of kKeys consecutive positions inside one cache block; a chunk's keys are
-// transposed once per task ([D][kKeys]), so that kRows rows' scores against all of them are
-// kRows x 2 vector accumulators fed by broadcasts (no horizontal sums), and its values are read
-// in place, row by row. Only the chunks a row can see are visited (the causal mask costs
-// nothing past the diagonal), and tasks are dealt to the threads in turn, so that each gets
-// early and late positions alike.
+// How: first each sequence's KV heads' keys are transposed, once per call, into groups of kKeys
+// positions ([D][kKeys]). Then a task is one sequence's KV head and kTilePositions consecutive
+// query positions with the G query heads that share the KV head: its rows (position-major) stay
+// in L1 with their running max, sum and output (flash attention's online softmax). Per chunk of
+// kChunk keys, kRows rows at a time: their scores against a group are kRows x 2 vector sums fed
+// by broadcasts (no horizontal sums), the softmax is updated once, and the chunk's value rows
+// are read where they lie in the cache. A row visits only the keys it may see, and the tasks
+// are dealt to the threads in turn, so that each gets early and late positions alike.
+// Measured: docs/engine.md, "fp32 prefill attention reads the paged cache in place".
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 
