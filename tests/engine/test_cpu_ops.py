@@ -214,6 +214,7 @@ def prompt_rows(steps: list[tuple[int, int]], heads: int, kv_heads: int, head_di
     ([(45, 45), (9, 2)], 6, 3, 64, 8),      # blocks narrower than a group of keys
     ([(130, 70), (33, 33)], 7, 1, 128, 32),  # 7 heads on one KV head, a wider head, wide blocks
     ([(20, 33), (0, 0), (5, 5)], 4, 4, 64, 16),  # more new rows than cached (zeros), an empty one
+    ([(1000, 3), (517, 4), (64, 2)], 9, 3, 64, 16),  # a few rows over long caches (drafts)
 ])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_prefill_attention_reads_the_paged_cache_in_place_as_the_reference_does(
