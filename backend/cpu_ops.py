@@ -1,8 +1,7 @@
 """The decoder's elementwise steps — RMSNorm, the residual add with the next norm, rotary
-embedding, SwiGLU's silu-and-multiply — fused on a CPU (fp32 and bf16), decode attention
-(and fp32 prefill attention: cpu_prefill_attention.cpp) reading the paged KV cache in place, and
-products of a decode step's few rows (fp32, and bf16
-on AVX-512); PyTorch operators elsewhere.
+embedding, SwiGLU's silu-and-multiply — fused on a CPU (fp32 and bf16), decode attention and
+fp32 prefill attention (cpu_prefill_attention.cpp) reading the paged KV cache in place, and
+products of a decode step's few rows (fp32, and bf16 on AVX-512); PyTorch operators elsewhere.
 
 Between its matrix products a layer runs a dozen elementwise operators; in PyTorch each is a
 pass over the activations with its own bf16 <-> fp32 conversions and dispatch. cpu_ops.cpp does
