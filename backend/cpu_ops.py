@@ -235,8 +235,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
     paged cache where it lies: the reference copies each sequence's cached rows out for every
     chunk and layer and gives SDPA 64 queries at a time under a mask (cpu_prefill_attention.cpp
     says what this does instead, and what it measured)."""
-    return _ops.paged_prefill_attention(q, k_cache, v_cache, block_tables.int(),
-                                        seq_lens.int(), query_start_loc.int(), scale)
+    return _ops.paged_prefill_attention(q, k_cache, v_cache, block_tables.int().contiguous(),
+                                        seq_lens.int().contiguous(),
+                                        query_start_loc.int().contiguous(), scale)
 
 
 # rows for which few_rows_linear beats MKL's fp32 sgemm and oneDNN's product on a prepacked
