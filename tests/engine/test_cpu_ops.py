@@ -1,9 +1,8 @@
-"""The compiled CPU operators (backend/cpu_ops.py, cpu_ops.cpp), fp32 and bf16: each
-elementwise step computes what its PyTorch definition does, decode attention over the paged
-cache what the gathering reference does, and so does prefill attention (fp32), the few-rows
-products F.linear's, the KV scatter the
-reference's, a model gives the same logits through them, and without
-them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
+"""The compiled CPU operators (backend/cpu_ops.py, cpu_ops.cpp, cpu_prefill_attention.cpp),
+fp32 and bf16: each elementwise step computes what its PyTorch definition does, decode and
+(fp32) prefill attention over the paged cache what the gathering references do, the few-rows
+products F.linear's, the KV scatter the reference's, a model gives the same logits through
+them, and without them (no compiler, or PREFIXGATE_CPU_OPS=0) the engine still serves."""
 from __future__ import annotations
 
 import itertools
