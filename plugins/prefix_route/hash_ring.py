@@ -25,9 +25,6 @@ from collections.abc import Iterable
 
 import xxhash
 
-TWO_TO_MINUS_64 = 2.0 ** -64
-CLEAR_GAP = 1 << 24         # Rendezvous: hashes this far apart rank alike weighted equally
-
 
 class HashRing:
     def __init__(self, members: Iterable[tuple[str, float]], virtual_nodes: int):
@@ -101,50 +98,22 @@ class HashRing:
 
 
 class Rendezvous:
-    """Highest-random-weight hashing of a key over a candidate set (module doc); weighted
-    (Schindelhauer and Schomaker's logarithmic method), a candidate of weight w is picked for
-    a share w / (sum of weights) of the keys, and a small change of one weight moves few keys."""
+    """Highest-random-weight hashing of a key over a candidate set (module doc), unweighted:
+    each candidate is picked for an equal share of the keys, whatever the set."""
 
     def __init__(self):
         self._seeds: dict[str, int] = {}       # upstream name -> its hash seed
 
-    def pick(self, key: bytes, upstreams, weights=None):
-        """The candidate with the highest hash of (`key`, its name), or with `weights` (one
-        per candidate, > 0) the highest w / -ln(hash as a fraction of 2^64); None when there
-        is no candidate. Equal weights rank the candidates as their hashes do: the logarithms
-        are taken only where the two highest hashes are too close for that to be sure."""
-        if weights and weights.count(weights[0]) == len(weights):
-            best = self._clear_highest(key, upstreams)
-            if best is not None:
-                return best
+    def pick(self, key: bytes, upstreams):
+        """The candidate with the highest hash of (`key`, its name) (the first of equals);
+        None when there is no candidate."""
         seeds = self._seeds
-        best, best_h = None, -1.0
-        for i, u in enumerate(upstreams):
-            seed = seeds.get(u.name)
-            if seed is None:
-                seed = seeds[u.name] = xxhash.xxh64_intdigest(u.name.encode())
-            h = xxhash.xxh64_intdigest(key, seed)
-            if weights is not None:
-                h = weights[i] / -math.log((h + 0.5) * TWO_TO_MINUS_64)
-            if h > best_h:
-                best, best_h = u, h
-        return best
-
-    def _clear_highest(self, key: bytes, upstreams):
-        """The candidate with the highest hash, where it beats every other by at least
-        CLEAR_GAP (None: two are closer): then w / -ln(hash / 2^64) ranks it first too, for
-        any equal w, whatever the floating-point rounding (the gap is 2^-40 of the fraction,
-        a few hundred units in the last place of the logarithm)."""
-        seeds = self._seeds
-        best = None
-        best_h = second_h = -1
+        best, best_h = None, -1
         for u in upstreams:
             seed = seeds.get(u.name)
             if seed is None:
                 seed = seeds[u.name] = xxhash.xxh64_intdigest(u.name.encode())
             h = xxhash.xxh64_intdigest(key, seed)
             if h > best_h:
-                best, best_h, second_h = u, h, best_h
-            elif h > second_h:
-                second_h = h
-        return best if best_h - second_h >= CLEAR_GAP else None
+                best, best_h = u, h
+        return best

@@ -16,7 +16,7 @@ For each candidate upstream u (requests' times in seconds, sizes in prompt token
 
 The candidates are the upstreams predicted within `tie_ms`, or `tie_fraction` of the best,
 whichever is larger; of them, those holding the most of the prompt (the cache home, while it
-is within the tie), else all; among those, weighted rendezvous hashing of the prompt's first
+is within the tie), else all; among those, rendezvous hashing of the prompt's first
 `prefix_blocks` blocks and its model (`_place`) picks one, so that gateway replicas sharing
 nothing place a prefix new to them alike: affinity holds until the home is saturated, and a
 spill goes where every replica spills it. The
@@ -275,18 +275,17 @@ class PredictedTTFT(PrefixScorer):
     def _place(self, key: int, model: str | None, rows: list) -> tuple:
         """The row among `rows` (those within the tie that hold the most leading blocks of
         the prompt: all, where none holds one) that every replica picks for route key `key`:
-        the one weighted rendezvous hashing of the key and the model ranks first, each
-        weighted by its predicted speed (1 / predicted seconds): replicas whose predictions
-        differ a little still agree on most keys, and an upstream predicted twice as fast
-        takes twice the new prefixes."""
+        the one rendezvous hashing of the key and the model ranks first. Unweighted: the
+        load and the speed decide which upstreams are in the tie, not the order within it.
+        Weighted by the prediction (1 / predicted seconds, as before 2026-12-07), each
+        replica's own view of the work ahead moved keys from one upstream to the other
+        between replicas (two engines, three replicas, scarce caches: a tenant's requests on
+        its most-used engine 74% -> 88%, docs/routing.md); weighted by the fitted speed, fits
+        that each replica learns a little differently did the same in the fleet simulator."""
         if len(rows) == 1:
             return rows[0]
-        times = [row[0] for row in rows]
-        t = times[0]
-        weights = ([1.0 / max(t, 1e-9)] * len(times) if times.count(t) == len(times)
-                   else [1.0 / max(t, 1e-9) for t in times])
         pick = self.rendezvous.pick((ring_position(key, model) & MASK64).to_bytes(8, "little"),
-                                    [row[1] for row in rows], weights)
+                                    [row[1] for row in rows])
         return next(row for row in rows if row[1] is pick)
 
     @staticmethod

@@ -1,59 +1,51 @@
-"""Rendezvous (hash_ring.py): equal weights take a shortcut past the logarithms, and pick what
-the weighted formula picks, key for key."""
+"""Rendezvous (hash_ring.py): a key's pick is the highest hash of (key, name) over the
+candidates, the same in every replica, and only the keys of a candidate that leaves move."""
 from __future__ import annotations
 
-import math
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import xxhash
 
-from prefixgate.plugins.prefix_route.hash_ring import CLEAR_GAP, TWO_TO_MINUS_64, Rendezvous
+from prefixgate.plugins.prefix_route.hash_ring import Rendezvous
 
 
-def weighted_pick(key: bytes, upstreams, weights):
-    """The formula, taken for every candidate: the highest w / -ln(hash / 2^64)."""
-    best, best_s = None, -1.0
-    for u, w in zip(upstreams, weights):
-        h = xxhash.xxh64_intdigest(key, xxhash.xxh64_intdigest(u.name.encode()))
-        s = w / -math.log((h + 0.5) * TWO_TO_MINUS_64)
-        if s > best_s:
-            best, best_s = u, s
-    return best
+def highest_hash(key: bytes, upstreams):
+    """The definition, written out: xxh64 of the key seeded with xxh64 of the name."""
+    return max(upstreams, key=lambda u: xxhash.xxh64_intdigest(
+        key, xxhash.xxh64_intdigest(u.name.encode())), default=None)
 
 
-def test_equal_weights_pick_what_the_weighted_formula_picks():
+def test_the_pick_is_the_highest_hash_in_every_replica_and_candidates_share_the_keys():
     rng = random.Random(7)
     ups = [SimpleNamespace(name=f"u{i}") for i in range(64)]
-    r = Rendezvous()
+    replicas = [Rendezvous(), Rendezvous()]
+    picks = Counter()
     for _ in range(3000):
         key = rng.getrandbits(64).to_bytes(8, "little")
         some = rng.sample(ups, rng.choice((2, 3, 8, 64)))
-        w = rng.choice((1.0, 0.25, 1 / 0.0213, 1e9))
-        assert r.pick(key, some, [w] * len(some)) is weighted_pick(key, some, [w] * len(some))
-        weights = [rng.uniform(0.5, 2.0) for _ in some]     # unequal: the formula itself
-        assert r.pick(key, some, weights) is weighted_pick(key, some, weights)
+        expected = highest_hash(key, some)
+        assert replicas[0].pick(key, some) is expected
+        assert replicas[1].pick(key, list(reversed(some))) is expected   # order does not matter
+        if len(some) == 2:
+            picks[some.index(expected)] += 1
+    assert 0.4 < picks[0] / sum(picks.values()) < 0.6
 
 
-def test_hashes_too_close_to_rank_without_the_logarithms_take_them():
+def test_only_the_keys_of_a_candidate_that_leaves_move():
+    rng = random.Random(3)
+    ups = [SimpleNamespace(name=f"u{i}") for i in range(8)]
     r = Rendezvous()
-    a, b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
-    key = b"k" * 8
-    ha = xxhash.xxh64_intdigest(key, xxhash.xxh64_intdigest(b"a"))
-    hb = xxhash.xxh64_intdigest(key, xxhash.xxh64_intdigest(b"b"))
-    assert abs(ha - hb) >= CLEAR_GAP
-    assert r._clear_highest(key, [a, b]) is (a if ha > hb else b)
-    # two names whose hashes of the key are closer than CLEAR_GAP: no shortcut
-    r._seeds["a"] = r._seeds["b"] = 1            # the same seed: the same hash
-    assert r._clear_highest(key, [a, b]) is None
-    assert r.pick(key, [a, b], [1.0, 1.0]) is a  # the formula's tie: the first
-    assert r.pick(key, [b, a], [1.0, 1.0]) is b
+    keys = [rng.getrandbits(64).to_bytes(8, "little") for _ in range(2000)]
+    before = {k: r.pick(k, ups) for k in keys}
+    after = {k: r.pick(k, ups[1:]) for k in keys}
+    moved = [k for k in keys if before[k] is not after[k]]
+    assert moved and all(before[k] is ups[0] for k in moved)
 
 
 def test_one_candidate_and_none():
     r = Rendezvous()
     only = SimpleNamespace(name="only")
-    assert r.pick(b"key", [only], [3.0]) is only
     assert r.pick(b"key", [only]) is only
     assert r.pick(b"key", []) is None
-    assert r.pick(b"key", [], []) is None

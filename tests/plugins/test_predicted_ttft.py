@@ -114,6 +114,31 @@ async def test_a_saturated_home_spills_and_an_idle_one_keeps_its_tenants(
                       model=MODEL) > 0
 
 
+async def test_replicas_that_see_different_loads_place_new_prompts_alike_within_the_tie(
+        make_standin, make_gateway):
+    """Two replicas sharing nothing, one of them with a long prompt in flight to one upstream:
+    each new prompt goes to the same upstream from either (the load decides which upstreams
+    are in the tie, not the order within it: the tie here takes both)."""
+    random.seed(8)
+    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
+                                   prefill_per_token=FAST_S) for _ in "ab"]
+    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
+           "plugins": [{"prefix_route": {"policy": "predicted_ttft", "tie_ms": 60_000,
+                                          "prior_tokens_per_second": 2500}}]}
+    busy, quiet = await make_gateway(cfg), await make_gateway(cfg)
+    async with aiohttp.ClientSession() as client:
+        long = asyncio.ensure_future(send(client, busy, chat(prompt(24_000), "long")))
+        await asyncio.sleep(0.05)           # on its lane: ~6,000 tokens, 2.4 s of work ahead
+        placed = []
+        for _ in range(16):
+            body = chat(prompt(600), "hi")
+            placed.append(((await send(client, busy, body))[0],
+                           (await send(client, quiet, body))[0]))
+        await long
+    assert all(a == b for a, b in placed), placed
+    assert {a for a, _ in placed} == {"a", "b"}, placed      # the keys spread over both
+
+
 async def test_the_prefill_upstream_of_a_pd_pair_is_the_one_predicted_first(make_gateway):
     random.seed(6)
     kv = KVStore()
