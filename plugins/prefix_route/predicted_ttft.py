@@ -279,9 +279,9 @@ class PredictedTTFT(PrefixScorer):
         load and the speed decide which upstreams are in the tie, not the order within it.
         Weighted by the prediction (1 / predicted seconds, as before 2026-12-07), each
         replica's own view of the work ahead moved keys from one upstream to the other
-        between replicas (two engines, three replicas, scarce caches: a tenant's requests on
-        its most-used engine 74% -> 88%, docs/routing.md); weighted by the fitted speed, fits
-        that each replica learns a little differently did the same in the fleet simulator."""
+        between replicas (docs/routing.md, "The placement unweighted"); weighted by the fitted
+        speed, fits that each replica learns a little differently did the same in the fleet
+        simulator."""
         if len(rows) == 1:
             return rows[0]
         pick = self.rendezvous.pick((ring_position(key, model) & MASK64).to_bytes(8, "little"),
