@@ -139,6 +139,25 @@ async def test_replicas_that_see_different_loads_place_new_prompts_alike_within_
     assert {a for a, _ in placed} == {"a", "b"}, placed      # the keys spread over both
 
 
+async def test_prompts_that_never_come_again_go_to_the_fastest_not_to_the_hash(
+        make_standin, make_gateway):
+    """Where no prompt is seen twice (vLLM's `random` dataset) placing alike buys nothing:
+    the tie shrinks with the share of prompts held somewhere, and each burst of unique
+    prompts alternates between two equal upstreams as their queues grow, instead of
+    following the prompts' hashes within the tie (which let one take 14 of 24)."""
+    random.seed(9)
+    _, gw = await fleet(make_standin, make_gateway, prior_tokens_per_second=2500)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(8):              # the share of prompts held falls to ~0, and both
+            await burst(client, gw, [chat(prompt(400), "hi") for _ in range(4)])   # answer
+        splits = []
+        for _ in range(4):
+            ups = [up for up, _ in await burst(client, gw,
+                                               [chat(prompt(400), "hi") for _ in range(24)])]
+            splits.append(ups.count("a"))
+    assert sum(abs(a - 12) for a in splits) <= 2, splits
+
+
 async def test_the_prefill_upstream_of_a_pd_pair_is_the_one_predicted_first(make_gateway):
     random.seed(6)
     kv = KVStore()
