@@ -8,8 +8,8 @@ evicted, and memory stays bounded at `capacity × upstreams` entries.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
-from itertools import islice, repeat
 
 
 class PrefixIndex:
@@ -29,34 +29,38 @@ class PrefixIndex:
         return len(lru) if lru is not None else 0
 
     def match(self, chain: list[int]) -> dict[str, int]:
-        """Leading blocks of `chain` each upstream holds (only upstreams with at least one)."""
+        """Leading blocks of `chain` each upstream holds (only upstreams with at least one).
+
+        What an upstream holds is prefix-closed (`insert`: a block is always more recent than
+        its descendants, so evicted after them), so along a chain the set of upstreams holding
+        a block only shrinks: each place where it shrinks is found by bisection, a handful of
+        lookups however long the prompt (8k tokens: 512 blocks)."""
         if not chain or not self._holders:
             return {}
-        holders = self._holders
-        alive = holders.get(chain[0], 0)
+        get = self._holders.get
+        alive = get(chain[0], 0)
         if not alive:
             return {}
         ends: dict[int, int] = {}          # upstreams' bits -> the blocks they hold
-        # (one lookup per block, in C; a block held by exactly the upstreams still alive, the
-        # common case, costs one comparison)
-        for i, mask in enumerate(map(holders.get, islice(chain, 1, None), repeat(0)), 1):
-            if mask != alive:
-                dropped = alive & ~mask
-                if dropped:
-                    ends[dropped] = i
-                    alive &= mask
-                    if not alive:
-                        break
-        else:
-            i = len(chain)
-        if alive:
-            ends[alive] = i
+        n, lo = len(chain), 1
+        while True:
+            i = n if get(chain[-1], 0) == alive else bisect_left(
+                chain, True, lo, n, key=lambda h, alive=alive: get(h, 0) != alive)
+            if i == n:
+                ends[alive] = n
+                break
+            mask = get(chain[i], 0)
+            ends[alive & ~mask] = i
+            alive &= mask
+            if not alive:
+                break
+            lo = i + 1
         out = {}
         names = self._names
-        for mask, n in ends.items():       # each bit in one mask: visit the set bits only
+        for mask, m in ends.items():       # each bit in one mask: visit the set bits only
             while mask:
                 low = mask & -mask
-                out[names[low.bit_length() - 1]] = n
+                out[names[low.bit_length() - 1]] = m
                 mask ^= low
         return out
 

@@ -273,16 +273,19 @@ async def test_llamacpp_slot_affinity(make_standin, make_gateway):
     assert sent[-1]["id_slot"] == 3 and "cache_prompt" not in sent[-1]
 
 
-def test_index_matches_a_naive_model_and_stays_prefix_closed():
+@pytest.mark.parametrize("head_blocks, capacity", [(8, 40), (600, 1500)])
+def test_index_matches_a_naive_model_and_stays_prefix_closed(head_blocks, capacity):
+    """Short chains, and long ones (the match bisects: it relies on each upstream's blocks
+    staying prefix-closed through inserts, evictions and an upstream leaving)."""
     from prefixgate.plugins.prefix_route.prefix_index import PrefixIndex
     rng = random.Random(11)
-    index, naive = PrefixIndex(capacity=40), {}        # naive: name -> list of blocks, LRU order
-    heads = [[rng.getrandbits(63) for _ in range(8)] for _ in range(5)]
+    index, naive = PrefixIndex(capacity), {}           # naive: name -> its blocks, LRU order
+    heads = [[rng.getrandbits(63) for _ in range(head_blocks)] for _ in range(5)]
     for step in range(600):
         name = f"u{rng.randrange(4)}"
-        chain = rng.choice(heads)[:rng.randrange(1, 9)] + [rng.getrandbits(63)
-                                                          for _ in range(rng.randrange(4))]
-        probe = rng.choice(heads)[:rng.randrange(1, 9)]
+        chain = rng.choice(heads)[:rng.randrange(1, head_blocks + 1)] + [
+            rng.getrandbits(63) for _ in range(rng.randrange(4))]
+        probe = rng.choice(heads)[:rng.randrange(1, head_blocks + 1)]
         want = {}
         for n, blocks in naive.items():
             held = set(blocks)
@@ -296,14 +299,14 @@ def test_index_matches_a_naive_model_and_stays_prefix_closed():
             index.remove("u1")
             naive.pop("u1", None)
             continue
-        lru = naive.setdefault(name, [])
+        lru = naive.setdefault(name, {})
         for h in reversed(chain):
-            if h in lru:
-                lru.remove(h)
-            lru.append(h)
-        del lru[:max(0, len(lru) - 40)]
+            lru.pop(h, None)
+            lru[h] = None
+        for h in list(lru)[:max(0, len(lru) - capacity)]:
+            del lru[h]
         index.insert(name, chain)
-    assert all(index.size(n) <= 40 for n in naive)
+    assert all(index.size(n) <= capacity for n in naive)
 
 
 async def test_with_normalize_first_the_key_is_not_cut(make_standin, make_gateway):
