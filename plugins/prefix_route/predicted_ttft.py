@@ -63,7 +63,7 @@ from prometheus_client import Histogram
 
 from prefixgate.plugins.prefix_keys import prompt_token_ids
 from prefixgate.plugins.prefix_route.hash_ring import Rendezvous
-from prefixgate.plugins.prefix_route.indexes import EngineIndex
+from prefixgate.plugins.prefix_route.indexes import MAX_MODELS, EngineIndex
 from prefixgate.plugins.prefix_route.keys import Keys, PrefixKeys, ring_position
 from prefixgate.plugins.prefix_route.prefill_queue import PrefillQueue
 from prefixgate.plugins.prefix_route.scorer import (
@@ -73,6 +73,7 @@ from prefixgate.plugins.prefix_route.scorer import (
     PrefixScorer,
 )
 from prefixgate.plugins.prefix_route.ttft_model import DEFAULT_PRIOR, Prior, TTFTModel
+from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.observe import usage
 
 STATE_KEY = "predicted_ttft"        # the request's Routed (ctx.state)
@@ -127,7 +128,8 @@ class PredictedTTFT(PrefixScorer):
         self.text_block_tokens = cfg["block_bytes"] / BYTES_PER_TOKEN
         self.clock = time.monotonic          # the fleet simulator sets its simulated clock
         self._unsettled = None               # the last decision until its pick is known
-        self.reuse = 1.0                     # of recent keyed prompts, the share held somewhere
+        # model -> of its recent keyed prompts, the share held somewhere (from 1)
+        self.reuse: LRU[str | None, float] = LRU(MAX_MODELS)
         self.errors = Histogram("prefixgate_route_ttft_prediction_error", "predicted_ttft: "
                                 "|predicted - measured| / measured time to first token, per "
                                 "upstream", ["upstream"], buckets=ERROR_BUCKETS,
@@ -252,19 +254,19 @@ class PredictedTTFT(PrefixScorer):
                 chosen = best
             elif not home_m and session is None:
                 # a prompt no upstream holds: the tie as wide as prompts are seen again
-                allowance *= min(self._reused(False) / REUSE_WHOLE_TIE, 1.0)
+                allowance *= min(self._reused(model, False) / REUSE_WHOLE_TIE, 1.0)
                 chosen = self._place(place_key, model, [row for row in rows
                                                         if row[0] <= best_t + allowance])
             elif session is None and home_t <= limit:
                 # the home is within the tie, so the most any candidate holds is home_m:
                 # alone with it, it is the choice; else those holding as much are hashed
-                self._reused(True)
+                self._reused(model, True)
                 chosen = home if home_n == 1 else self._place(
                     place_key, model, [row for row in rows
                                        if row[4] == home_m and row[0] <= limit])
             else:                         # the home is slower than the tie: a spill
                 if session is None:
-                    self._reused(True)
+                    self._reused(model, True)
                 chosen = self._place(place_key, model, _most(
                     [row for row in rows if row[0] <= limit]))
             if not home_m:
@@ -290,14 +292,17 @@ class PredictedTTFT(PrefixScorer):
             scores[chosen[1]] += SESSION_BONUS
         return scores
 
-    def _reused(self, held: bool) -> float:
-        """Count a keyed prompt that some upstream held a block of (`held`), or none did;
-        the share of recent ones that were held. A prefix placed alike by every replica pays
-        only if it comes again: where prompts are unique (vLLM's `random` dataset, one-off
-        documents) the hash would spread them at random, less evenly than the fastest
-        upstream does, and the tie shrinks toward it."""
-        self.reuse += ((1.0 if held else 0.0) - self.reuse) / REUSE_WINDOW
-        return self.reuse
+    def _reused(self, model: str | None, held: bool) -> float:
+        """Count a keyed prompt for `model` that some upstream held a block of (`held`), or
+        none did; the share of the model's recent ones that were held (per model: one
+        model's traffic may be unique prompts, another's tenants). A prefix placed alike by
+        every replica pays only if it comes again: where prompts are unique (vLLM's `random`
+        dataset, one-off documents) the hash would spread them at random, less evenly than
+        the fastest upstream does, and the tie shrinks toward it."""
+        share = self.reuse.get(model, 1.0)
+        share += ((1.0 if held else 0.0) - share) / REUSE_WINDOW
+        self.reuse.put(model, share)
+        return share
 
     def _place(self, key: int, model: str | None, rows: list) -> tuple:
         """The row among `rows` (those within the tie that hold the most leading blocks of
