@@ -73,7 +73,6 @@ from prefixgate.plugins.prefix_route.scorer import (
     PrefixScorer,
 )
 from prefixgate.plugins.prefix_route.ttft_model import DEFAULT_PRIOR, Prior, TTFTModel
-from prefixgate.proxy.lru import LRU
 from prefixgate.proxy.observe import usage
 
 STATE_KEY = "predicted_ttft"        # the request's Routed (ctx.state)
@@ -129,7 +128,7 @@ class PredictedTTFT(PrefixScorer):
         self.clock = time.monotonic          # the fleet simulator sets its simulated clock
         self._unsettled = None               # the last decision until its pick is known
         # model -> of its recent keyed prompts, the share held somewhere (from 1)
-        self.reuse: LRU[str | None, float] = LRU(MAX_MODELS)
+        self.reuse: dict[str | None, float] = {}
         self.errors = Histogram("prefixgate_route_ttft_prediction_error", "predicted_ttft: "
                                 "|predicted - measured| / measured time to first token, per "
                                 "upstream", ["upstream"], buckets=ERROR_BUCKETS,
@@ -299,9 +298,13 @@ class PredictedTTFT(PrefixScorer):
         every replica pays only if it comes again: where prompts are unique (vLLM's `random`
         dataset, one-off documents) the hash would spread them at random, less evenly than
         the fastest upstream does, and the tie shrinks toward it."""
-        share = self.reuse.get(model, 1.0)
-        share += ((1.0 if held else 0.0) - share) / REUSE_WINDOW
-        self.reuse.put(model, share)
+        reuse = self.reuse
+        share = reuse.get(model)
+        if share is None:
+            if len(reuse) >= MAX_MODELS:      # models named by clients: bounded
+                reuse.clear()
+            share = 1.0
+        share = reuse[model] = share + ((1.0 if held else 0.0) - share) / REUSE_WINDOW
         return share
 
     def _place(self, key: int, model: str | None, rows: list) -> tuple:
