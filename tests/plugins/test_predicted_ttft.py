@@ -149,11 +149,11 @@ async def test_prompts_that_never_come_again_go_to_the_fastest_not_to_the_hash(
     _, gw = await fleet(make_standin, make_gateway, prior_tokens_per_second=2500)
     async with aiohttp.ClientSession() as client:
         for _ in range(8):              # the share of prompts held falls to ~0, and both
-            await burst(client, gw, [chat(prompt(400), "hi") for _ in range(4)])   # answer
-        splits = []
-        for _ in range(4):
+            await burst(client, gw, [chat(prompt(1200), "hi") for _ in range(4)])  # answer
+        splits = []             # (a prompt's ~120 ms prefill: every burst is routed before
+        for _ in range(4):      # the first answer comes)
             ups = [up for up, _ in await burst(client, gw,
-                                               [chat(prompt(400), "hi") for _ in range(24)])]
+                                               [chat(prompt(1200), "hi") for _ in range(24)])]
             splits.append(ups.count("a"))
     assert sum(abs(a - 12) for a in splits) <= 2, splits
 
