@@ -249,23 +249,22 @@ class PredictedTTFT(PrefixScorer):
         elif session is not None and home_t <= limit:
             chosen, outcome = home, "home"
         else:
+            reused = (self._reused(model, home_m > 0)
+                      if place_key is not None and session is None else 1.0)
             if place_key is None:
                 chosen = best
             elif not home_m and session is None:
                 # a prompt no upstream holds: the tie as wide as prompts are seen again
-                allowance *= min(self._reused(model, False) / REUSE_WHOLE_TIE, 1.0)
+                allowance *= min(reused / REUSE_WHOLE_TIE, 1.0)
                 chosen = self._place(place_key, model, [row for row in rows
                                                         if row[0] <= best_t + allowance])
             elif session is None and home_t <= limit:
                 # the home is within the tie, so the most any candidate holds is home_m:
                 # alone with it, it is the choice; else those holding as much are hashed
-                self._reused(model, True)
                 chosen = home if home_n == 1 else self._place(
                     place_key, model, [row for row in rows
                                        if row[4] == home_m and row[0] <= limit])
-            else:                         # the home is slower than the tie: a spill
-                if session is None:
-                    self._reused(model, True)
+            else:           # a spill: the home (or the session's upstream) beyond the tie
                 chosen = self._place(place_key, model, _most(
                     [row for row in rows if row[0] <= limit]))
             if not home_m:
