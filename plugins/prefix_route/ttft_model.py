@@ -21,7 +21,11 @@ request (`policy: predicted_ttft`, predicted_ttft.py, feeds it):
   work made an upstream look slow, and its prefixes spill, where the fleet's line knew better
   (16 replicas at 64 upstreams in the fleet simulator, 120% load: 0.83x one replica's hit
   rate before, 0.95x with it, docs/routing.md); an upstream with many answers, or one of few
-  upstreams, keeps its own rate;
+  upstreams, keeps its own rate. The anchor's second point sits at ANCHOR_MIN_TOKENS at
+  least: a replica's first answer from an upstream is often a prompt another replica put
+  there, a few tokens computed, which tells where the line starts, not its slope (anchored
+  at those few tokens, one such answer read 1.5-3x the fleet's rate, and pulled the
+  replica's prompts there: docs/routing.md);
 - seeded: a new upstream starts from `prior` (configured), else from the fleet's median fit
   for the model, else from DEFAULT_PRIOR.
 
@@ -42,6 +46,10 @@ SCALE_ALPHA = 0.05         # the mean absolute residual's smoothing per observat
 ANCHOR_WEIGHT = 2.0        # observations' worth of the previous line
 MIN_RATE, MAX_RATE = 1.0, 1e8          # tokens per second
 ANCHOR_TOKENS = 1000.0     # where the anchor's second point sits before any data
+# ... and at least, after: at 1,000 a backend at half speed was learned too slowly (1.38x after
+# 70 answers, tests/plugins/test_predicted_ttft.py); 500 and 1,000 kept 16 replicas at 0.96x
+# and 0.97x one replica's hit rate in the fleet simulator (docs/routing.md)
+ANCHOR_MIN_TOKENS = 500.0
 # an upstream's fit is anchored to the fleet's line with this many observations' worth per
 # upstream of the model: where answers from each of many upstreams are few (one of many
 # replicas, many upstreams), each is predicted about as the fleet is; an upstream with many
@@ -123,7 +131,7 @@ class PrefillFit:
             a0, b0, k = self.overhead_s, self.per_token_s, ANCHOR_WEIGHT
         else:
             a0, b0, k = anchor.overhead_s, anchor.per_token_s, weight
-        xr = self._x / self._w if self._w > 0 else ANCHOR_TOKENS
+        xr = max(self._x / self._w, ANCHOR_MIN_TOKENS) if self._w > 0 else ANCHOR_TOKENS
         yr = a0 + b0 * xr
         w = self._w + 2 * k
         sx = self._x + k * xr

@@ -139,3 +139,17 @@ def test_an_upstream_with_few_answers_is_predicted_as_the_fleet():
         tokens = rng.uniform(100, 4000)
         model.observe("slow", "m", tokens, 0.005 + tokens / 6000, t)
     assert model.fit("slow", "m", t).tokens_per_s == pytest.approx(6000, rel=0.2)
+
+
+def test_an_answer_that_was_all_cached_does_not_make_an_upstream_look_fast():
+    """A replica's first answer from an upstream is often a prompt another replica put there:
+    a few tokens computed, a few ms. That says where the line starts, not its slope: the
+    anchor's second point stays at ANCHOR_MIN_TOKENS or more, not at those few tokens (where
+    it sat, the fit read 3,700 tokens/s off this answer, on a fleet of 2,500)."""
+    model, rng, t = TTFTModel(None, 15.0), random.Random(6), 0.0
+    for _ in range(200):                    # the fleet: 2,500 tokens/s after 20 ms
+        t += EVERY_S
+        tokens = rng.uniform(100, 4000)
+        model.observe(f"u{rng.randrange(4)}", "m", tokens, 0.02 + tokens / 2500, t)
+    model.observe("warmed", "m", 15, 0.004, t + EVERY_S)    # 15 tokens computed, 4 ms
+    assert model.fit("warmed", "m", t).tokens_per_s == pytest.approx(2500, rel=0.2)
