@@ -19,12 +19,17 @@ whichever is larger; of them, those holding the most of the prompt (the cache ho
 is within the tie), else all; among those, rendezvous hashing of the prompt's first
 `prefix_blocks` blocks and its model (`_place`) picks one, so that gateway replicas sharing
 nothing place a prefix new to them alike: affinity holds until the home is saturated, and a
-spill goes where every replica spills it. For a prompt no upstream holds any of, the tie
-narrows as such prompts become the rule (`_reused`): where prompts are never seen again,
-placing them alike buys nothing, and the fastest upstream spreads them more evenly than
-their hashes do. The
-prefill leg of a P/D request is chosen the same way among the prefill upstreams (the chain's
-scorers pick it, proxy/pd.py), by predicted prefill time.
+spill goes where every replica spills it. Where the home holds less than half of the prompt
+(LIVES_SHARE: a head many prompts share, such as a RAG prompt before its document), the
+first block past what it holds is hashed among all within the tie instead: each replica
+knows the shared head on the upstreams it sent it to, which differ from replica to replica,
+while the prompt's own part hashes alike everywhere (as SGLang's and this project's
+`cache_aware` stop following a match below their `cache_threshold`). For a prompt no
+upstream holds any of, the tie narrows as such prompts become the rule (`_reused`): where
+prompts are never seen again, placing them alike buys nothing, and the fastest upstream
+spreads them more evenly than their hashes do. The prefill leg of a P/D request is chosen
+the same way among the prefill upstreams (the chain's scorers pick it, proxy/pd.py), by
+predicted prefill time.
 
 Score (every candidate, so that a `weight:` mixes it with a load scorer): the chosen upstream
 1, every other the ratio of the chosen one's effective prediction to its own, below 1 — an
@@ -36,9 +41,9 @@ Where another scorer's weight or a session's bonus makes the gateway pick anothe
 the request's prefill work moves to that upstream's lane before the next decision (`_settle`).
 
 Outcomes: `home` (an upstream holding the most of the prompt took it), `spill` (the home was
-slower than the tie: one holding less, or none, took it), `new` (no upstream holds a block of
-it), `nokey` (no key: no upstream holds any of it), `session` (soft `session:` mode: the
-session's upstream is the home, and kept it).
+slower than the tie, or held only a shared head: one holding less, or none, took it), `new`
+(no upstream holds a block of it), `nokey` (no key: no upstream holds any of it), `session`
+(soft `session:` mode: the session's upstream is the home, and kept it).
 The route header adds `predicted_ttft_ms=` for the chosen upstream and the runner-up.
 
 Learning, when the request ends: the time measured is the upstream's TTFT as the gateway saw
@@ -148,7 +153,8 @@ class PredictedTTFT(PrefixScorer):
         ctx.route_info.update(policy=self.policy, blocks=len(keys.chain), mode=keys.mode)
         return self._route(ctx, upstreams, matched, per_block,
                            self._prompt_tokens(ctx, keys, per_block), session,
-                           placing=placing, place_key=self.keys.route_key(keys))
+                           placing=placing, place_key=self.keys.route_key(keys),
+                           chain=keys.chain)
 
     def no_key(self, ctx, upstreams, session=None) -> dict:
         ctx.route_info.update(policy=self.policy, blocks=0)
@@ -180,9 +186,10 @@ class PredictedTTFT(PrefixScorer):
 
     def _route(self, ctx, upstreams, matched: dict, per_block: float, prompt: float,
                session=None, avoid_full: bool = True, placing: bytes = b"",
-               place_key: int | None = None) -> dict:
+               place_key: int | None = None, chain: list[int] | None = None) -> dict:
         """The decision (module doc); `place_key`: the prompt's route key (keys.py), which
-        `_place` hashes where the choice is made within the tie."""
+        `_place` hashes where the choice is made within the tie; `chain`: the prompt's block
+        hashes (keyed prompts)."""
         self._settle()
         now = self.clock()
         model = ctx.model
@@ -236,7 +243,7 @@ class PredictedTTFT(PrefixScorer):
                         home, home_t = row, t
         if best is None:                  # every one saturated: the least bad of them
             return self._route(ctx, [row[1] for row in full], matched, per_block, prompt,
-                               session, False, placing, place_key)
+                               session, False, placing, place_key, chain)
         allowance = max(self.tie_s, self.tie_fraction * best_t)
         limit = best_t + allowance        # within the tie: predicted at most this
         if placing:                       # a new session: hashed among the near-fastest
@@ -258,6 +265,13 @@ class PredictedTTFT(PrefixScorer):
                 allowance *= min(reused / REUSE_WHOLE_TIE, 1.0)
                 chosen = self._place(place_key, model, [row for row in rows
                                                         if row[0] <= best_t + allowance])
+            elif session is None and home_m < len(chain) * LIVES_SHARE:
+                # the most any upstream holds is a head many prompts share (a RAG prompt
+                # before its document, a system prompt before a long history): the prompt's
+                # own part is new, placed by its first block among all within the tie, as
+                # every replica places it, whichever upstreams its own view says hold the head
+                chosen = self._place(chain[home_m], model,
+                                     [row for row in rows if row[0] <= limit])
             elif session is None and home_t <= limit:
                 # the home is within the tie, so the most any candidate holds is home_m:
                 # alone with it, it is the choice; else those holding as much are hashed

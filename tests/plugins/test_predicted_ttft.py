@@ -139,6 +139,46 @@ async def test_replicas_that_see_different_loads_place_new_prompts_alike_within_
     assert {a for a, _ in placed} == {"a", "b"}, placed      # the keys spread over both
 
 
+def text(tag: str, chars: int) -> str:
+    """Fixed text (the same in every run, so are its hashes) that only `tag` starts with."""
+    return " ".join(f"{tag}{i}" for i in range(chars // (len(tag) + 3)))[:chars]
+
+
+async def test_documents_under_a_shared_head_go_where_their_own_part_hashes_from_any_replica(
+        make_standin, make_gateway):
+    """Two replicas sharing nothing, each knowing a RAG prompt (the shared head) on another
+    upstream: a document new to both, asked through either, lands on the upstream its own
+    first block hashes to (the head is less than half of the prompt), not on each replica's
+    own holder of the head. Before, each sent every document to the head's holder it knew."""
+    random.seed(10)
+    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
+                                   prefill_per_token=FAST_S) for _ in "ab"]
+    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
+           "plugins": [{"prefix_route": {"policy": "predicted_ttft",
+                                          "prior_tokens_per_second": 2500}}]}
+    first, second = await make_gateway(cfg), await make_gateway(cfg)
+    head = text("rag", 600)                   # ~150 tokens, 6+ text blocks
+
+    def ask(doc: str) -> dict:
+        return chat(head, doc + " question: what does it say?")
+
+    async with aiohttp.ClientSession() as client:
+        home = (await send(client, first, ask(text("opening", 3000))))[0]  # the head's hash
+        # the second replica meets the head while it has a long prompt in flight to that
+        # upstream (~0.8 s ahead: beyond the tie), so it puts the head on the other one
+        long = asyncio.ensure_future(send(client, second, ask(text("long", 8000))))
+        await asyncio.sleep(0.05)
+        other = (await send(client, second, ask(text("preamble", 3000))))[0]
+        long.cancel()                         # never answered: the replica records nothing
+        await asyncio.gather(long, return_exceptions=True)
+        assert other != home
+        placed = [((await send(client, first, ask(doc)))[0],
+                   (await send(client, second, ask(doc)))[0])
+                  for doc in (text(f"doc{i}x", 3000) for i in range(8))]
+    assert all(a == b for a, b in placed), placed
+    assert {a for a, _ in placed} == {"a", "b"}, placed      # the documents spread over both
+
+
 async def test_prompts_that_never_come_again_go_to_the_fastest_not_to_the_hash(
         make_standin, make_gateway):
     """Where no prompt is seen twice (vLLM's `random` dataset) placing alike buys nothing:
