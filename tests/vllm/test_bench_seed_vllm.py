@@ -14,7 +14,7 @@ from tests.tools.test_bench_seed_vllm import stage
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 WORKLOAD = dict(prompt_tokens=400, tenants=2, requests=4, warmup=2, concurrency=2,
-                think_ms=10, max_tokens=2, rounds=1)
+                think_ms=300, max_tokens=2, rounds=1)
 
 
 class PairEngines:
