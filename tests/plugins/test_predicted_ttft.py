@@ -61,9 +61,22 @@ def work(standin) -> int:
 async def fleet(make_standin, make_gateway, per_token=(FAST_S, FAST_S), **route):
     standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
                                    prefill_per_token=s) for s in per_token]
-    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
-           "plugins": [{"prefix_route": {"policy": "predicted_ttft", **route}}]}
-    return standins, await make_gateway(cfg)
+    return standins, await make_gateway(routed(standins, **route))
+
+
+def routed(standins, **route) -> dict:
+    """A gateway's config: `standins` as upstreams a, b, routed by predicted_ttft."""
+    return {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
+            "plugins": [{"prefix_route": {"policy": "predicted_ttft", **route}}]}
+
+
+async def two_replicas(make_standin, make_gateway, **route):
+    """Two gateway replicas sharing nothing, in front of the same two stand-ins, both with
+    the stand-ins' speed as their prior."""
+    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
+                                   prefill_per_token=FAST_S) for _ in "ab"]
+    cfg = routed(standins, prior_tokens_per_second=2500, **route)
+    return await make_gateway(cfg), await make_gateway(cfg)
 
 
 async def test_a_backend_half_as_fast_gets_about_half_the_uncached_work(
@@ -120,12 +133,7 @@ async def test_replicas_that_see_different_loads_place_new_prompts_alike_within_
     each new prompt goes to the same upstream from either (the load decides which upstreams
     are in the tie, not the order within it: the tie here takes both)."""
     random.seed(8)
-    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
-                                   prefill_per_token=FAST_S) for _ in "ab"]
-    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
-           "plugins": [{"prefix_route": {"policy": "predicted_ttft", "tie_ms": 60_000,
-                                          "prior_tokens_per_second": 2500}}]}
-    busy, quiet = await make_gateway(cfg), await make_gateway(cfg)
+    busy, quiet = await two_replicas(make_standin, make_gateway, tie_ms=60_000)
     async with aiohttp.ClientSession() as client:
         long = asyncio.ensure_future(send(client, busy, chat(prompt(24_000), "long")))
         await asyncio.sleep(0.05)           # on its lane: ~6,000 tokens, 2.4 s of work ahead
@@ -151,12 +159,7 @@ async def test_documents_under_a_shared_head_go_where_their_own_part_hashes_from
     first block hashes to (the head is less than half of the prompt), not on each replica's
     own holder of the head. Before, each sent every document to the head's holder it knew."""
     random.seed(10)
-    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
-                                   prefill_per_token=FAST_S) for _ in "ab"]
-    cfg = {"upstreams": [{"name": n, "url": s.url} for n, s in zip("ab", standins)],
-           "plugins": [{"prefix_route": {"policy": "predicted_ttft",
-                                          "prior_tokens_per_second": 2500}}]}
-    first, second = await make_gateway(cfg), await make_gateway(cfg)
+    first, second = await two_replicas(make_standin, make_gateway)
     head = text("rag", 600)                   # ~150 tokens, 6+ text blocks
 
     def ask(doc: str) -> dict:
@@ -177,6 +180,34 @@ async def test_documents_under_a_shared_head_go_where_their_own_part_hashes_from
                   for doc in (text(f"doc{i}x", 3000) for i in range(8))]
     assert all(a == b for a, b in placed), placed
     assert {a for a, _ in placed} == {"a", "b"}, placed      # the documents spread over both
+
+
+async def test_a_tenant_lands_alike_from_a_replica_that_sees_its_hashed_upstream_busy(
+        make_standin, make_gateway):
+    """Two replicas sharing nothing, where prompts come again (each tenant's 13 times).
+    Before a tenant's first visit, one replica has a unique prompt as long as the tenant's in
+    flight, more than the tie (half a prefill) ahead of it. Where that prompt sits on the
+    tenant's hashed upstream, the busy replica still puts the tenant there, as the idle one
+    does: elsewhere its prefill would be paid twice, and the tenant would live on both
+    upstreams (before: it went to the idle upstream, as vLLM engines and 3 replicas showed)."""
+    random.seed(11)
+    busy, quiet = await two_replicas(make_standin, make_gateway)
+    placed, busy_ahead = [], 0
+    async with aiohttp.ClientSession() as client:
+        for i in range(8):
+            system = text(f"tenant{i}x", 2000)           # ~500 tokens, ~200 ms of prefill
+            long = asyncio.ensure_future(send(client, busy, chat(prompt(2000), "long")))
+            await asyncio.sleep(0.05)                    # ~375 tokens of it still ahead
+            first = chat(system, "the first question")
+            (on_busy, _), (on_quiet, _) = await asyncio.gather(send(client, busy, first),
+                                                               send(client, quiet, first))
+            busy_ahead += (await long)[0] == on_quiet    # the long one on the tenant's hash
+            placed.append((on_busy, on_quiet))
+            for turn in range(12):                       # the tenant comes again
+                await send(client, busy, chat(system, f"question {turn}"))
+    assert busy_ahead >= 1, placed          # the case this is about came up
+    assert all(a == b for a, b in placed), placed
+    assert {a for a, _ in placed} == {"a", "b"}, placed      # the tenants spread over both
 
 
 async def test_prompts_that_never_come_again_go_to_the_fastest_not_to_the_hash(
