@@ -58,9 +58,14 @@ def work(standin) -> int:
     return standin.cache.queries - standin.cache.hits
 
 
+async def serial_standins(make_standin, per_token=(FAST_S, FAST_S)) -> list:
+    """Stand-ins a, b that prefill one request at a time, at `per_token` seconds a token."""
+    return [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
+                               prefill_per_token=s) for s in per_token]
+
+
 async def fleet(make_standin, make_gateway, per_token=(FAST_S, FAST_S), **route):
-    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
-                                   prefill_per_token=s) for s in per_token]
+    standins = await serial_standins(make_standin, per_token)
     return standins, await make_gateway(routed(standins, **route))
 
 
@@ -73,9 +78,7 @@ def routed(standins, **route) -> dict:
 async def two_replicas(make_standin, make_gateway, **route):
     """Two gateway replicas sharing nothing, in front of the same two stand-ins, both with
     the stand-ins' speed as their prior."""
-    standins = [await make_standin(tokens=2, prefix_cache=True, serial_prefill=True,
-                                   prefill_per_token=FAST_S) for _ in "ab"]
-    cfg = routed(standins, prior_tokens_per_second=2500, **route)
+    cfg = routed(await serial_standins(make_standin), prior_tokens_per_second=2500, **route)
     return await make_gateway(cfg), await make_gateway(cfg)
 
 
