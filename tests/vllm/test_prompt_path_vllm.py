@@ -24,12 +24,17 @@ def poller_of(gw):
     return next(p for _, p in gw.gateway.plugin_keys if isinstance(p, PrefixRoute)).poller
 
 
-def idle_since(poller, name: str, since: float):
-    """Has a sample taken after `since` found `name` with nothing running?"""
-    def idle() -> bool:
-        sample = poller.samples.get(name)
-        return sample is not None and sample.t > since and sample.running == 0
-    return idle
+def sampled_since(poller, since: float, **running: int):
+    """Has a sample taken after `since` found each named upstream running that many?"""
+    def sampled() -> bool:
+        return all((s := poller.samples.get(name)) is not None and s.t > since
+                   and s.running == n for name, n in running.items())
+    return sampled
+
+
+def ages(poller) -> dict:
+    return {name: (s.running, s.waiting, round(time.monotonic() - s.t, 2))
+            for name, s in poller.samples.items()}
 
 
 async def test_load_is_polled_from_vllm_metrics(vllm_pair, make_gateway):
@@ -48,17 +53,19 @@ async def test_load_is_polled_from_vllm_metrics(vllm_pair, make_gateway):
             assert poller.samples["vllm1"].running == poller.samples["vllm1"].waiting == 0
             assert gw.gateway.upstreams[0].load == 1
             for _ in range(3):
+                # vLLM's gauges come from its last step, and a busy CPU server may answer a
+                # poll late (a sample older than stale_after_s is not used): route each
+                # request on samples taken after the last one ended, one per server
+                await wait_for(sampled_since(poller, time.monotonic(), vllm0=1, vllm1=0),
+                               timeout=60, what="fresh samples of both servers")
+                at_send = ages(poller)
                 answer = await send(client, gw.url, "/v1/chat/completions",
                                     {**CHAT, "max_tokens": 1})
                 assert answer.status == 200
-                assert answer.headers["x-prefixgate-upstream"] == "vllm1", {
-                    name: (s.running, s.waiting, round(time.monotonic() - s.t, 2))
-                    for name, s in poller.samples.items()}
-                # vLLM's gauges come from its last step, so they may still count a request
-                # that has ended here: route the next one on a sample taken once they caught up
-                await wait_for(idle_since(poller, "vllm1", time.monotonic()), what="vllm1 idle")
+                assert answer.headers["x-prefixgate-upstream"] == "vllm1", (at_send,
+                                                                             ages(poller))
         # the client went away: vLLM aborts the generation, and its metrics say so
-        await wait_for(idle_since(poller, "vllm0", time.monotonic()), what="vllm0 idle")
+        await wait_for(sampled_since(poller, time.monotonic(), vllm0=0), what="vllm0 idle")
 
 
 def system_prompt(now: str) -> str:
