@@ -27,10 +27,7 @@ while the prompt's own part hashes alike everywhere (as SGLang's and this projec
 `cache_aware` stop following a match below their `cache_threshold`). For a prompt no
 upstream holds any of, the tie narrows as such prompts become the rule (`_reused`): where
 prompts are never seen again, placing them alike buys nothing, and the fastest upstream
-spreads them more evenly than their hashes do. Where most come again, the tie widens further,
-up to the prompt's own prefill: off its hash, a prompt is computed a second time, on the
-upstream this replica's index then keeps sending it to, beside the one every other replica
-sends it to. The prefill leg of a P/D request is chosen
+spreads them more evenly than their hashes do. The prefill leg of a P/D request is chosen
 the same way among the prefill upstreams (the chain's scorers pick it, proxy/pd.py), by
 predicted prefill time.
 
@@ -93,8 +90,7 @@ MASK64 = (1 << 64) - 1
 # A prompt no upstream holds any of is placed by the hash within the tie scaled by the share
 # of recent keyed prompts that some upstream held a block of (an average over about
 # REUSE_WINDOW): the whole tie from REUSE_WHOLE_TIE up (tenants' prompts: 84-98% held in the
-# fleet simulator with 1 to 16 replicas), none at 0 (unique prompts: the fastest upstream);
-# above REUSE_WHOLE_TIE wider by up to the prompt's own prefill at 1 (a copy off its hash)
+# fleet simulator with 1 to 16 replicas), none at 0 (unique prompts: the fastest upstream)
 REUSE_WINDOW = 8
 REUSE_WHOLE_TIE = 0.5
 NOTHING_HELD: dict[str, int] = {}   # the match of a prompt no upstream holds any of
@@ -265,13 +261,8 @@ class PredictedTTFT(PrefixScorer):
             if place_key is None:
                 chosen = best
             elif not home_m and session is None:
-                # a prompt no upstream holds: the tie as wide as prompts are seen again,
-                # and past REUSE_WHOLE_TIE wider by what a copy off its hash costs (module
-                # doc), up to its own prefill once more on the fastest upstream
+                # a prompt no upstream holds: the tie as wide as prompts are seen again
                 allowance *= min(reused / REUSE_WHOLE_TIE, 1.0)
-                if reused > REUSE_WHOLE_TIE:
-                    allowance += (slots[best[1].name][0].per_token_s * prompt
-                                  * (reused - REUSE_WHOLE_TIE) / (1.0 - REUSE_WHOLE_TIE))
                 chosen = self._place(place_key, model, [row for row in rows
                                                         if row[0] <= best_t + allowance])
             elif session is None and home_m < len(chain) * LIVES_SHARE:

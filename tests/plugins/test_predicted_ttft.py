@@ -185,34 +185,6 @@ async def test_documents_under_a_shared_head_go_where_their_own_part_hashes_from
     assert {a for a, _ in placed} == {"a", "b"}, placed      # the documents spread over both
 
 
-async def test_a_tenant_lands_alike_from_a_replica_that_sees_its_hashed_upstream_busy(
-        make_standin, make_gateway):
-    """Two replicas sharing nothing, where prompts come again (each tenant's 13 times).
-    Before a tenant's first visit, one replica has a unique prompt as long as the tenant's in
-    flight, more than the tie (half a prefill) ahead of it. Where that prompt sits on the
-    tenant's hashed upstream, the busy replica still puts the tenant there, as the idle one
-    does: elsewhere its prefill would be paid twice, and the tenant would live on both
-    upstreams (before: it went to the idle upstream, as vLLM engines and 3 replicas showed)."""
-    random.seed(11)
-    busy, quiet = await two_replicas(make_standin, make_gateway)
-    placed, busy_ahead = [], 0
-    async with aiohttp.ClientSession() as client:
-        for i in range(8):
-            system = text(f"tenant{i}x", 2000)           # ~500 tokens, ~200 ms of prefill
-            long = asyncio.ensure_future(send(client, busy, chat(prompt(2000), "long")))
-            await asyncio.sleep(0.05)                    # ~375 tokens of it still ahead
-            first = chat(system, "the first question")
-            (on_busy, _), (on_quiet, _) = await asyncio.gather(send(client, busy, first),
-                                                               send(client, quiet, first))
-            busy_ahead += (await long)[0] == on_quiet    # the long one on the tenant's hash
-            placed.append((on_busy, on_quiet))
-            for turn in range(12):                       # the tenant comes again
-                await send(client, busy, chat(system, f"question {turn}"))
-    assert busy_ahead >= 1, placed          # the case this is about came up
-    assert all(a == b for a, b in placed), placed
-    assert {a for a, _ in placed} == {"a", "b"}, placed      # the tenants spread over both
-
-
 async def test_prompts_that_never_come_again_go_to_the_fastest_not_to_the_hash(
         make_standin, make_gateway):
     """Where no prompt is seen twice (vLLM's `random` dataset) placing alike buys nothing:
