@@ -9,6 +9,13 @@ polls the estimate follows this replica's own changes:
 A polled upstream's load (`Upstream.load`) is that estimate plus the requests waiting in this
 gateway for a slot on it (the backend has not seen those yet).
 
+A sample stops being used once it is older than `stale_after_s` (a backend that stopped
+answering, or answers with an error: its in-flight count here is used instead), but not while
+the backend's answers come late: a server too busy to answer its /metrics within the poll's
+wait is busy, and its last sample says so better than this replica's own count, which does not
+see the other replicas' requests (a busy vLLM CPU server in CI, starved, answered none of its
+polls for most of two minutes and looked idle after 2.5 s).
+
 Names read (summed over label sets, e.g. per model):
 
     engine      running / waiting / KV usage (0..1)
@@ -25,6 +32,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.common.runtime import cancel_and_wait
@@ -48,6 +56,7 @@ class Sample:
     kv_usage: float | None
     inflight_at_poll: int       # this replica's in-flight count when the sample arrived
     t: float                    # monotonic time of the sample
+    late: float = 0.0           # the last poll since then whose answer came too late
 
 
 def parse_metrics(text: str) -> tuple[float, float, float | None] | None:
@@ -70,8 +79,8 @@ def parse_metrics(text: str) -> tuple[float, float, float | None] | None:
 class LoadPoller:
     """Polls every upstream's /metrics every `interval_s`; `requests(up)` is the estimate above.
 
-    A sample older than `stale_after_s` (a backend that stopped answering) is ignored and the
-    in-flight count is used instead.
+    A sample older than `stale_after_s` is ignored and the in-flight count is used instead;
+    a poll whose answer came too late keeps the last sample in use (module doc).
     """
 
     def __init__(self, gw, interval_s: float, timeout_s: float | None = None,
@@ -97,8 +106,8 @@ class LoadPoller:
                 up.polled = None        # its samples would only go stale
 
     def requests(self, up) -> float:
-        s = self.samples.get(up.name)
-        if s is None or self.clock() - s.t > self.stale_after_s:
+        s = self._fresh(up)
+        if s is None:
             return float(up.inflight)
         return max(0.0, s.running + s.waiting + up.inflight - s.inflight_at_poll)
 
@@ -114,7 +123,7 @@ class LoadPoller:
 
     def _fresh(self, up) -> Sample | None:
         s = self.samples.get(up.name)
-        if s is None or self.clock() - s.t > self.stale_after_s:
+        if s is None or self.clock() - max(s.t, s.late) > self.stale_after_s:
             return None
         return s
 
@@ -140,6 +149,11 @@ class LoadPoller:
                     if r.status != 200:
                         return
                     text = await r.text()
+        except TimeoutError as e:
+            if not isinstance(e, aiohttp.ServerTimeoutError):   # connected; the answer late
+                self._answered_late(up)
+            log.debug("metrics poll of %s timed out", up.name)
+            return
         except Exception as e:      # a backend without /metrics, or down: fall back to in-flight
             log.debug("metrics poll of %s failed: %s", up.name, e)
             return
@@ -147,3 +161,10 @@ class LoadPoller:
         if parsed is not None:
             self.samples[up.name] = Sample(*parsed, up.inflight, self.clock())
             up.polled = self            # Upstream.load and kv_usage read it
+
+    def _answered_late(self, up) -> None:
+        """The backend took longer than the poll waits: busy, so its last sample stays in use
+        (a backend that answers nothing at all fails its health checks and is ejected)."""
+        s = self.samples.get(up.name)
+        if s is not None:
+            s.late = self.clock()

@@ -79,6 +79,7 @@ class Behaviour:
     models: list[str] | None = None
     lora: dict[str, str] = field(default_factory=dict)   # LoRA adapter id -> its base model id
     kv_usage: float = 0.0        # vllm:kv_cache_usage_perc its /metrics reports
+    metrics_delay: float = 0.0   # seconds before /metrics answers (a starved API process)
     serial_prefill: bool = False     # prefills one at a time, in arrival order (a queue)
     # body fields it answers with a 400, as a server whose request model forbids extra fields
     # (one that does not take vLLM's cache_salt, say)
@@ -315,6 +316,8 @@ class StandIn(Surface):
 
     async def metrics(self, request):
         b = self.behaviour
+        if b.metrics_delay:
+            await asyncio.sleep(b.metrics_delay)
         return web.Response(text=metrics_page(base_models(b)[0], self.running, b.kv_usage,
                                               self.cache if b.prefix_cache is not None else None,
                                               self.waiting))

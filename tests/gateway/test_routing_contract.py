@@ -43,6 +43,8 @@ def test_polled_load_is_the_backends_counts_plus_waiting_here_until_stale():
     assert a.load == 7 + 1 + (3 - 1) + 2 and a.kv_usage == 0.4
     poller.samples["u0"].t -= 100            # stale: the gateway's own counts again
     assert a.load == 5 and a.kv_usage is None
+    poller.samples["u0"].late = time.monotonic()     # a poll since then answered too late
+    assert a.load == 7 + 1 + (3 - 1) + 2 and a.kv_usage == 0.4
 
 
 def test_every_load_reader_sees_the_same_load():

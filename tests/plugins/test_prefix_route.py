@@ -5,12 +5,14 @@ import asyncio
 import math
 import random
 import re
+import time
 from collections import Counter, defaultdict
 
 import aiohttp
 import pytest
 
 from prefixgate.common.schema import ConfigError
+from prefixgate.plugins.prefix_route.plugin import PrefixRoute
 from prefixgate.proxy.app import Gateway
 from prefixgate.proxy.config.gateway import validate
 from tests.helpers import FAMILIES, assert_openai_error, body, post
@@ -211,6 +213,37 @@ async def test_load_polled_from_backend_metrics_moves_a_key(make_standin, make_g
             (await t).release()
     assert load == 6
     assert moved != home
+
+
+async def test_a_backend_too_busy_to_answer_its_metrics_in_time_keeps_its_load(
+        make_standin, make_gateway):
+    """Another replica's requests keep `a` busy, and `a`'s /metrics starts answering later than
+    the poll waits (a starved API process). Its last sample stays in use past stale_after_s,
+    so `a` keeps its load and this replica's requests go to `b` (before: once the sample was
+    stale, `a` counted only this replica's requests, none, and got the next one)."""
+    standins = [await make_standin() for _ in "ab"]
+    gw = await make_gateway({"upstreams": [{"name": n, "url": s.url}
+                                           for n, s in zip("ab", standins)],
+                             "plugins": [{"prefix_route": {"poll_metrics_s": 0.05,
+                                                           "weight": 0.001}},
+                                         {"least_inflight": {}}]})      # the load decides
+    poller = next(p for _, p in gw.gateway.plugin_keys if isinstance(p, PrefixRoute)).poller
+    a, b = gw.gateway.upstreams
+    async with aiohttp.ClientSession() as client:
+        slow = body("other", "x", x_standin={"first_delay": 30})
+        busy = [asyncio.create_task(client.post(standins[0].url + "/v1/chat/completions",
+                                                json=slow)) for _ in range(3)]
+        while (s := poller.samples.get("a")) is None or s.running != 3:
+            await asyncio.sleep(0.02)
+        standins[0].behaviour.metrics_delay = 30
+        await asyncio.sleep(poller.stale_after_s + 0.5)      # past stale, polls timing out
+        last = poller.samples["a"]
+        assert time.monotonic() - last.t > poller.stale_after_s and last.running == 3
+        assert a.load == 3 and b.load == 0
+        chosen = [(await post(client, gw.url, body(f"tenant{i}", "q")))[1] for i in range(3)]
+        for t in busy:
+            t.cancel()
+    assert chosen == ["b", "b", "b"], chosen
 
 
 async def test_route_metrics_are_exported(make_standin, make_gateway):

@@ -53,9 +53,9 @@ async def test_load_is_polled_from_vllm_metrics(vllm_pair, make_gateway):
             assert poller.samples["vllm1"].running == poller.samples["vllm1"].waiting == 0
             assert gw.gateway.upstreams[0].load == 1
             for _ in range(3):
-                # vLLM's gauges come from its last step, and a busy CPU server may answer a
-                # poll late (a sample older than stale_after_s is not used): route each
-                # request on samples taken after the last one ended, one per server
+                # vLLM's gauges come from its last step, and a starved CPU server may answer
+                # no poll for a while: route each request on samples of both servers taken
+                # after the last one ended
                 await wait_for(sampled_since(poller, time.monotonic(), vllm0=1, vllm1=0),
                                timeout=60, what="fresh samples of both servers")
                 at_send = ages(poller)
