@@ -163,8 +163,9 @@ class LoadPoller:
             up.polled = self            # Upstream.load and kv_usage read it
 
     def _answered_late(self, up) -> None:
-        """The backend took longer than the poll waits: busy, so its last sample stays in use
-        (a backend that answers nothing at all fails its health checks and is ejected)."""
-        s = self.samples.get(up.name)
+        """The backend took longer than the poll waits: busy, so its last sample stays in use,
+        if it still was (one gone stale before, after errors, stays gone). A backend that
+        answers nothing at all fails its health checks and is ejected."""
+        s = self._fresh(up)
         if s is not None:
             s.late = self.clock()

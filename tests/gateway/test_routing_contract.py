@@ -43,7 +43,11 @@ def test_polled_load_is_the_backends_counts_plus_waiting_here_until_stale():
     assert a.load == 7 + 1 + (3 - 1) + 2 and a.kv_usage == 0.4
     poller.samples["u0"].t -= 100            # stale: the gateway's own counts again
     assert a.load == 5 and a.kv_usage is None
-    poller.samples["u0"].late = time.monotonic()     # a poll since then answered too late
+    poller._answered_late(a)                 # a late answer does not bring it back
+    assert a.load == 5
+    poller.samples["u0"].t = time.monotonic() - poller.stale_after_s + 0.5   # fresh 0.5 s more
+    poller._answered_late(a)                 # a poll answered too late: kept in use...
+    poller.samples["u0"].t -= 100            # ...however old the sample itself
     assert a.load == 7 + 1 + (3 - 1) + 2 and a.kv_usage == 0.4
 
 
