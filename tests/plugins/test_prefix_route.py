@@ -233,8 +233,9 @@ async def test_a_backend_too_busy_to_answer_its_metrics_in_time_keeps_its_load(
         slow = body("other", "x", x_standin={"first_delay": 30})
         busy = [asyncio.create_task(client.post(standins[0].url + "/v1/chat/completions",
                                                 json=slow)) for _ in range(3)]
-        while (s := poller.samples.get("a")) is None or s.running != 3:
-            await asyncio.sleep(0.02)
+        async with asyncio.timeout(10):     # a's three requests seen in a sample
+            while (s := poller.samples.get("a")) is None or s.running != 3:
+                await asyncio.sleep(0.02)
         standins[0].behaviour.metrics_delay = 30
         await asyncio.sleep(poller.stale_after_s + 0.5)      # past stale, polls timing out
         last = poller.samples["a"]
