@@ -15,10 +15,11 @@ In fp32 FewRowsLinear takes each layer's weight as it is (packed, oneDNN was slo
 and at a prefill's; between, the few-rows kernel beats it up to 56 rows: cpu_ops.FEW_ROWS).
 
 oneDNN's packed bf16 product reads the weight at about half the memory's speed for 1 to 8 rows
-(a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 4
-rows. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2: 212 MB more; a tied
-head's plain weight is the embedding itself) and sends those rows to the kernel: every product
-and the head at one row 43 -> 26 ms on one core of the Xeon with AMX. Only where those copies
+(a decode step's batch), where cpu_ops' few-rows kernel reads the plain weight near it up to 2
+rows and beats it up to 6. So on AVX-512 a packed layer keeps its plain weight too (SmolLM2:
+212 MB more; a tied head's plain weight is the embedding itself) and sends those rows to the
+kernel: every product and the head at one row 36 -> 22 ms on one core of the Xeon with AMX
+(cpu_ops.FEW_ROWS_BF16). Only where those copies
 fit in PLAIN_COPY_SHARE of the machine's memory: a 7B model in bf16 would hold ~13 GB twice.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ class FewRowsLinear(nn.Module):
 
 class PackedLinear(nn.Module):
     """`F.linear(x, weight, bias)` against a weight prepacked for oneDNN; where cpu_ops has the
-    bf16 few-rows kernel (AVX-512), a decode step's 1 to 4 rows multiply the plain weight, kept
+    bf16 few-rows kernel (AVX-512), a decode step's 1 to 6 rows multiply the plain weight, kept
     beside the packed one (see the module's docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_plain: bool = False):

@@ -246,9 +246,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_s
 # rows 173 / 180 / 176; at 64 rows all three within 2% (195 / 191 / 195)
 FEW_ROWS = range(1, 57)
 # rows for which few_rows_linear_bf16 beats oneDNN's prepacked bf16 product: SmolLM2's products
-# and head, one core, Xeon with AMX: 1 row 26 vs 43 ms, 4 rows 30 vs 42, 7 rows 41 vs 43, 8 rows
-# 44 vs 43; a whole decode step gained at 4 rows (1.07-1.23x) but lost at 7 (0.87x)
-FEW_ROWS_BF16 = range(1, 5)
+# and head, one core, Xeon with AMX, ms kernel / oneDNN: 1 row 22.0 / 36.0, 4 rows 26.8 / 36.2,
+# 5 rows 31.9 / 35.5, 6 rows 34.2 / 36.0, 8 rows 40.2 / 35.5 (past 6 rows the kernel is bound by
+# its FMAs, not by memory); whole decode steps of 5 and 6 sequences 57.0 -> 53.5 and 59.8 -> 58.0
+# ms when their rows were taken too
+FEW_ROWS_BF16 = range(1, 7)
 
 
 def multiplies_bf16_rows() -> bool:
@@ -263,7 +265,7 @@ def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype == torch.float32:
         return x.shape[0] in FEW_ROWS and weight.shape[0] >= 4
-    return (x.shape[0] in FEW_ROWS_BF16 and weight.shape[0] % 4 == 0
+    return (x.shape[0] in FEW_ROWS_BF16 and weight.shape[0] % 8 == 0
             and multiplies_bf16_rows())
 
 

@@ -312,9 +312,9 @@ def bf16_rows_kernel(ops):
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 12), (1536, 4), (33, 8)])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 24), (1536, 8), (33, 16)])
 def test_bf16_few_rows_linear_rounds_the_exact_product_once(ops, rows, in_features, out_features):
-    # 70 and 33: a step's tail (32 bf16 per step, 16 per half); 4: one tile, nothing beyond it
+    # 70 and 33: a step's tail (32 bf16 per step, 16 per half); 8: one tile, nothing beyond it
     multiply = bf16_rows_kernel(ops)
     x, weight = bf16(rows, in_features, seed=rows), bf16(out_features, in_features, seed=1)
     bias = bf16(out_features, seed=2)
@@ -331,13 +331,13 @@ def test_bf16_few_rows_linear_refuses_what_it_cannot_multiply(ops):
     multiply = bf16_rows_kernel(ops)
     with pytest.raises(RuntimeError, match="bfloat16"):
         multiply(torch.zeros(2, 8), torch.zeros(4, 8))
-    with pytest.raises(RuntimeError, match="multiple of 4"):
-        multiply(bf16(2, 8), bf16(6, 8))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        multiply(bf16(2, 8), bf16(12, 8))
     with pytest.raises(RuntimeError, match="contiguous"):
-        multiply(bf16(8, 2).t(), bf16(4, 8))
+        multiply(bf16(8, 2).t(), bf16(8, 8))
     with pytest.raises(RuntimeError, match="bias"):
-        multiply(bf16(2, 8), bf16(4, 8), bf16(3))
-    x, odd = bf16(3, 8), bf16(6, 8)                 # F.linear takes 6 weight rows
+        multiply(bf16(2, 8), bf16(8, 8), bf16(3))
+    x, odd = bf16(3, 8), bf16(12, 8)                # F.linear takes 12 weight rows
     assert not cpu_ops.takes_few_rows(x, odd)
     torch.testing.assert_close(cpu_ops.linear(x, odd), F.linear(x, odd))
 
