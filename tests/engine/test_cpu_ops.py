@@ -275,17 +275,20 @@ def test_few_rows_linear_is_f_linear(ops, rows, in_features, out_features):
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_kernels_loops_run_on_torchs_threads_and_give_one_threads_result(ops, threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_loops_run_on_torchs_threads_and_give_one_threads_result(ops, threads, dtype):
     # a build without OpenMP ran every loop on one thread whatever torch's count
+    multiply = ops.few_rows_linear if dtype == torch.float32 else bf16_rows_kernel(ops)
     g = torch.Generator().manual_seed(threads)
     x, weight = torch.randn(8, 576, generator=g), torch.randn(960, 576, generator=g)
+    x, weight = x.to(dtype), weight.to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = ops.few_rows_linear(x, weight)
+        alone = multiply(x, weight)
         torch.set_num_threads(threads)
         used = ops.parallel_threads(64)
-        shared = ops.few_rows_linear(x, weight)
+        shared = multiply(x, weight)
     finally:
         torch.set_num_threads(before)
     assert used == threads
