@@ -124,8 +124,15 @@ def run_checked(cmd: list[str]) -> None:
 def clean_env() -> dict:
     """The environment for vLLM's python, which runs outside any checkout of prefixgate (the
     callers set cwd): `python -m`/`-c` put the working directory first on sys.path, where a
-    transformers probe's `import kernels` would find prefixgate's kernels/ folder."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    transformers probe's `import kernels` would find prefixgate's kernels/ folder. The bundled
+    engine's huge pages (backend/__init__.py) are not vLLM's default: vLLM gets them only where
+    the user's own environment asks for them."""
+    from prefixgate import backend
+
+    dropped = {"PYTHONPATH", "VIRTUAL_ENV"}
+    if backend.HUGE_PAGES_BY_DEFAULT:
+        dropped.add(backend.HUGE_PAGES)
+    return {k: v for k, v in os.environ.items() if k not in dropped}
 
 
 def prepare_model(model: str = "smollm2", dtype: str = "float32", log=print) -> Path:
