@@ -22,8 +22,14 @@ from prefixgate.kernels.shared import is_fp8, kv_scales
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 # Padding (in KV rows) that costs about as much as one more SDPA call on CPU; see length_groups.
 PAD_ROWS = 256
-# Queries per SDPA call of causal_attention (64 measured best of 64, 128, 256 and all at once).
+# Queries per SDPA call of causal_attention (64 measured best of 64, 128, 256 and all at once,
+# in fp32). In bf16 on a CPU, with keys cached before the queries, 256: SDPA multiplies bf16
+# natively there and a call's fixed costs weigh more (SmolLM2's heads, one core of the Xeon
+# with AMX, 512 queries over 1,024 / 2,400 / 4,096 keys: 4.31-4.60 / 11.3-12.2 / 20.7 ms in
+# blocks of 64, 3.73-3.93 / 9.3-10.0 / 16.9 ms in blocks of 256); with no prefix, 64 stayed
+# best (512 causal queries 1.55-1.87 against 1.73-1.83 ms).
 QUERY_BLOCK = 64
+QUERY_BLOCK_BF16_PREFIXED = 256
 # Causal queries with no cached prefix up to which causal_attention keeps a mask of rows x rows
 # (16 MiB in fp32 at 2,048) to go in blocks.
 CAUSAL_MASK_ROWS = 2048
@@ -92,13 +98,21 @@ def causal_attention(q, k, v, scale) -> torch.Tensor:
         out[skip:] = sdpa(q4, k4, v4, scale, is_causal=rows > 1)[0].transpose(0, 1)
         return out
     mask = end_aligned_causal_mask(rows, length, q.device, k.dtype)
-    for start in range(0, rows, QUERY_BLOCK):
-        end = min(rows, start + QUERY_BLOCK)
+    block = query_block(q, rows, length)
+    for start in range(0, rows, block):
+        end = min(rows, start + block)
         keys = length - rows + end          # what the block's last query sees
         o = sdpa(q4[:, :, start:end], k4[:, :, :keys], v4[:, :, :keys], scale,
                  attn_mask=mask[start:end, :keys])
         out[skip + start:skip + end] = o[0].transpose(0, 1)
     return out
+
+
+def query_block(q: torch.Tensor, rows: int, length: int) -> int:
+    """Queries per SDPA call of causal_attention (see QUERY_BLOCK)."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and length > rows:
+        return QUERY_BLOCK_BF16_PREFIXED
+    return QUERY_BLOCK
 
 
 @functools.lru_cache(maxsize=8)

@@ -66,16 +66,18 @@ def test_prefill_reference_matches_sdpa(gqa, block_size):
     assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens,q_lens", [
     ([150, 300, 70], [150, 200, 65]),       # causal, and over prefixes: several query blocks
+    ([700, 600], [600, 590]),               # bf16 over a prefix: blocks of 256, the last short
     ([CAUSAL_MASK_ROWS + 5], [CAUSAL_MASK_ROWS + 5]),   # a long prompt alone: SDPA's own causal
 ])
-def test_prefill_reference_in_query_blocks_matches_sdpa(lens, q_lens):
-    """Chunks of more than QUERY_BLOCK queries go through SDPA a block at a time, none of which
-    may see a key past its own position."""
+def test_prefill_reference_in_query_blocks_matches_sdpa(lens, q_lens, dtype):
+    """Chunks of more than a block of queries (QUERY_BLOCK, or QUERY_BLOCK_BF16_PREFIXED) go
+    through SDPA a block at a time, none of which may see a key past its own position."""
     assert max(q_lens) > QUERY_BLOCK
-    case = make_case(lens, q_lens, **heads(4))
-    assert_close(run_prefill(case, "torch"), naive_attention(case), torch.float32)
+    case = make_case(lens, q_lens, dtype=dtype, **heads(4))
+    assert_close(run_prefill(case, "torch"), naive_attention(case), dtype)
 
 
 @pytest.mark.parametrize("per_head", [False, True])
