@@ -776,7 +776,9 @@ void tile_product_bf16(const float* x, int64_t x_stride, const bf16* w, const bf
 #pragma GCC unroll 8
     for (int64_t j = 0; j < kParts; ++j) {
       const bf16* line = w + (n0 + j * part) * K + k;
-      if constexpr (kPrefetch) _mm_prefetch((const char*)(line + kLinesAhead * kBF16PerLine), _MM_HINT_T0);
+      if constexpr (kPrefetch) {
+        _mm_prefetch((const char*)(line + kLinesAhead * kBF16PerLine), _MM_HINT_T0);
+      }
       const bool whole = k + kBF16PerLine <= K;
       const __m512 low = whole ? widen_bf16(line) : widen_bf16(line, K - k);
       const __m512 high = whole ? widen_bf16(line + 16) : widen_bf16(line + 16, K - k - 16);
