@@ -71,8 +71,14 @@ class Gate:
     def __init__(self, model: str = "demo", baseline_flags: list[str] | None = None, *,
                  suite: Suite | None = None, thresholds: Thresholds | None = None,
                  threads: int | None = None, launcher=None, timeout: float = 1800.0,
-                 tokenizer=None, log=None):
+                 tokenizer=None, log=None, concurrency: int = 32):
         self.model = model
+        # requests in flight at once. 1 makes the answers independent of how the engine
+        # batches them: a CPU engine's decode rows go through the few-rows product in a small
+        # step and through oneDNN's in a large one, which round differently, so near-tied
+        # logits (a random model's) can pick another token when the same prompts are batched
+        # otherwise (as in vLLM, whose batches are not invariant either)
+        self.concurrency = concurrency
         self.baseline_flags = list(baseline_flags or [])
         self.suite = suite or Suite()
         self.thresholds = thresholds or Thresholds()
@@ -108,7 +114,8 @@ class Gate:
                                              self.launcher, self.model)
         try:
             async with target.client_session(self.timeout) as session:
-                client = _Client(session, engines.urls[0], served_name(self.model))
+                client = _Client(session, engines.urls[0], served_name(self.model),
+                                 self.concurrency)
                 max_len = await client.max_model_len()
                 if self.inputs is None:
                     self.inputs = self._build_inputs(max_len)
