@@ -167,10 +167,10 @@ class Gate:
 class _Client:
     """Greedy /v1/completions on token ids; a failed request is recorded and answers empty."""
 
-    def __init__(self, session, url: str, model: str, concurrency: int = 32):
+    def __init__(self, session, url: str, model: str, concurrency: int):
         self.session, self.url, self.model = session, url, model
         self.errors: list[str] = []
-        self.slots = asyncio.Semaphore(concurrency)     # the engine's max_num_seqs is 64
+        self.slots = asyncio.Semaphore(concurrency)     # Gate's; the engine's max_num_seqs is 64
 
     async def max_model_len(self) -> int:
         async with self.session.get(self.url + "/v1/models") as resp:

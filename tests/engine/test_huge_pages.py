@@ -28,13 +28,18 @@ def kernel_mode() -> str | None:
     return chosen.group(1) if chosen else None
 
 
-def huge_kib(setting: str | None) -> int:
+def run_python(code: str, setting: str | None) -> list[str]:
+    """The lines `code` prints in a fresh Python with THP_MEM_ALLOC_ENABLE unset, or `setting`."""
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if setting is not None:
         env["THP_MEM_ALLOC_ENABLE"] = setting
-    out = subprocess.run([sys.executable, "-c", FILL], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return out.stdout.split()
+
+
+def huge_kib(setting: str | None) -> int:
+    return int(run_python(FILL, setting)[-1])
 
 
 @pytest.mark.skipif(kernel_mode() not in ("always", "madvise"),
@@ -49,11 +54,5 @@ def test_vllm_keeps_its_own_default_while_a_users_setting_reaches_it():
     code = ("import os; from prefixgate.proxy.testing.vllm_install import clean_env; "
             "vllms = clean_env().get('THP_MEM_ALLOC_ENABLE'); "
             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), vllms)")
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=True).stdout.split()
-    users = subprocess.run([sys.executable, "-c", code],
-                           env={**env, "THP_MEM_ALLOC_ENABLE": "1"}, capture_output=True,
-                           text=True, timeout=120, check=True).stdout.split()
-    assert ours == ["1", "None"]                 # set for the engine, not passed to vLLM
-    assert users == ["1", "1"]
+    assert run_python(code, None) == ["1", "None"]     # set for the engine, not passed to vLLM
+    assert run_python(code, "1") == ["1", "1"]
