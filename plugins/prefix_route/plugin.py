@@ -77,7 +77,7 @@ SPEC = {
     "llamacpp_slots": Key(int, 0, non_negative),  # llama.cpp server: slots per server (0: off)
     # predicted_ttft: the home keeps a request predicted this much slower than the best
     "tie_ms": Key((int, float), 20.0, non_negative),
-    "tie_fraction": Key((int, float), 0.5, non_negative),
+    "tie_fraction": Key((int, float), 1.0, non_negative),
     # predicted_ttft: a new upstream's speed before it answered (unset: the fleet's fit)
     "prior_tokens_per_second": Key((int, float, type(None)), None, positive),
     "prior_overhead_ms": Key((int, float, type(None)), None, non_negative),

@@ -19,10 +19,12 @@ import aiohttp
 import pytest
 
 from prefixgate.backend.bench.engine_process import engine_process
+from prefixgate.plugins.prefix_route.plugin import SPEC
 from prefixgate.proxy.bench.prompts import words
 from tests.plugins.helpers import metrics, sample
 
 MODEL = "demo"
+BEYOND_TIE = 1 + SPEC["tie_fraction"].default   # a home is kept up to this x the best
 BUDGETS = {"fast": 512, "slow": 16}     # --max-num-batched-tokens
 
 
@@ -107,10 +109,10 @@ def overflowing_burst(lines: dict, tokens: float) -> int:
 def spilling_burst(lines: dict, home: str, other: str, question: float, prompt: float) -> int:
     """A burst of one tenant's `question`-token questions (`prompt` tokens in all) that queues
     at its home twice the point where the other engine, computing the whole prompt, is
-    predicted faster beyond the tie (1.5x): the home must keep some and spill some."""
+    predicted faster beyond the tie (BEYOND_TIE): the home must keep some and spill some."""
     (home_overhead, home_rate), (other_overhead, other_rate) = lines[home], lines[other]
-    beyond_tie = 1.5 * (other_overhead + prompt / other_rate)
-    return min(max(12, math.ceil((2 * beyond_tie - home_overhead) * home_rate / question)), 40)
+    beyond_tie = BEYOND_TIE * (other_overhead + prompt / other_rate)
+    return min(max(12, math.ceil((2 * beyond_tie - home_overhead) * home_rate / question)), 64)
 
 
 async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_gateway):
@@ -147,7 +149,7 @@ async def test_a_busy_home_spills_and_an_idle_one_keeps_its_tenants(engines, mak
         assert all(len(ups) == 1 for ups in homes.values()), homes
         # a burst of one tenant with long questions: its home takes them until the prefill
         # queued there costs more than computing the whole prompt on the other engine (beyond
-        # the tie: 1.5x). How many that is follows which engine is home and the core, so the
+        # the tie). How many that is follows which engine is home and the core, so the
         # burst is sized by the gateway's own lines to queue twice past that point
         home = next(iter(homes[0]))
         other = next(n for n in BUDGETS if n != home)

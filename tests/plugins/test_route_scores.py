@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from prefixgate.plugins.balance import LeastInflight
-from prefixgate.plugins.prefix_route.plugin import PrefixRoute
+from prefixgate.plugins.prefix_route.plugin import SPEC, PrefixRoute
 from prefixgate.plugins.prefix_route.predicted_ttft import STATE_KEY as PREDICTED
 from prefixgate.plugins.prefix_route.scorer import BELOW_TOP, SESSION_BONUS
 from prefixgate.proxy.app import Gateway
@@ -123,7 +123,8 @@ def test_predicted_ttft_scores_the_ratio_of_predictions_with_the_tie_on_the_home
     assert ctx.route_info["outcome"] == "home"
     times = dict(re.findall(r"(u\d):([\d.]+)", ctx.route_info["predicted_ttft_ms"]))
     home_t, other_t = float(times["u2"]), float(next(t for n, t in times.items() if n != "u2"))
-    tie = max(20.0, 0.5 * home_t)            # tie_ms, tie_fraction x the best (the home's)
+    # the defaults' tie: tie_ms, or tie_fraction x the best (the home's)
+    tie = max(SPEC["tie_ms"].default, SPEC["tie_fraction"].default * home_t)
     expected = home_t * home_t / (home_t + tie) / other_t
     assert scores[ups[0]] == scores[ups[1]] == pytest.approx(expected, rel=0.02)
     assert 0 < expected < BELOW_TOP
