@@ -158,5 +158,7 @@ async def test_a_busy_home_spills_and_an_idle_one_keeps_its_tenants(engines, mak
         size = spilling_burst(lines, home, other, probe["computed"], probe["prompt"])
         answers = await burst(client, gw, [chat(tenants[0], text(250)) for _ in range(size)])
     at_home = [a for a in answers if a["upstream"] == home]
-    assert 2 <= len(at_home) <= size - 2, (size, lines, answers)
+    # the home keeps at least the first (a slow home may keep only that one: its own prefill
+    # of a question can cost as much as the other's of the whole prompt), and spills some
+    assert 1 <= len(at_home) <= size - 2, (size, lines, answers)
     assert {outcome(a) for a in answers if a["upstream"] != home} == {"spill"}, answers
