@@ -115,15 +115,17 @@ async def test_a_saturated_home_spills_and_an_idle_one_keeps_its_tenants(
                 assert re.search(r"predicted_ttft_ms=[ab]:[\d.]+,[ab]:[\d.]+", route), route
         assert all(len(ups) == 1 for ups in homes.values()), homes
         # a burst of one tenant with long questions: the home takes it until its queue makes
-        # the other upstream, computing the whole prompt, the faster one
+        # the other upstream, computing the whole prompt, faster beyond the tie; then each
+        # spill raises the other's prediction, and the home keeps the next ones. 24 spill
+        # more than once at the default tie (1.0: about 11 kept of the first 12)
         home = next(iter(homes[0]))
-        routes = await burst(client, gw, [chat(tenants[0], prompt(1200)) for _ in range(12)])
+        routes = await burst(client, gw, [chat(tenants[0], prompt(1200)) for _ in range(24)])
         m = await metrics(client, gw)
     at_home = [up for up, _ in routes if up == home]
-    assert 3 <= len(at_home) <= 10, routes
+    assert 3 <= len(at_home) <= len(routes) - 2, routes
     assert {outcome(r) for up, r in routes if up != home} == {"spill"}, routes
     assert sample(m, "prefixgate_route_decisions_total", policy="predicted_ttft",
-                  outcome="spill") == 12 - len(at_home)
+                  outcome="spill") == len(routes) - len(at_home)
     assert sample(m, "prefixgate_route_ttft_prediction_error_count", upstream=home) > 0
     for name in "ab":
         assert sample(m, "prefixgate_route_prefill_tokens_per_second", upstream=name,
