@@ -96,23 +96,21 @@ def learned_lines(m: dict) -> dict[str, tuple[float, float]]:
             for n in BUDGETS}
 
 
-def overflowing_burst(lines: dict, tokens: float) -> int:
-    """A burst long enough that, by the gateway's own lines, the fast engine's queue of
-    `tokens`-prompts would end at twice the slow engine's idle TTFT: the slow one must get
-    some of it. How long that is follows the core (on 2026-12-07's Xeon the slowed engine
-    learned 2.3-2.6x slower: 8 requests; CI's core once gave it none of 8)."""
-    (fast_overhead, fast_rate), (slow_overhead, slow_rate) = lines["fast"], lines["slow"]
-    slow_idle = slow_overhead + tokens / slow_rate
-    return min(max(8, math.ceil((2 * slow_idle - fast_overhead) * fast_rate / tokens)), 32)
+def predicted_s(line: tuple[float, float], tokens: float) -> float:
+    """Seconds to the first token for `tokens` to compute, by a learned line."""
+    overhead, rate = line
+    return overhead + tokens / rate
 
 
-def spilling_burst(lines: dict, home: str, other: str, question: float, prompt: float) -> int:
-    """A burst of one tenant's `question`-token questions (`prompt` tokens in all) that queues
-    at its home twice the point where the other engine, computing the whole prompt, is
-    predicted faster beyond the tie (BEYOND_TIE): the home must keep some and spill some."""
-    (home_overhead, home_rate), (other_overhead, other_rate) = lines[home], lines[other]
-    beyond_tie = BEYOND_TIE * (other_overhead + prompt / other_rate)
-    return min(max(12, math.ceil((2 * beyond_tie - home_overhead) * home_rate / question)), 64)
+def burst_until(line: tuple[float, float], tokens: float, seconds: float,
+                least: int, most: int) -> int:
+    """Requests of `tokens` to compute each whose prefill, queued at the engine of `line`,
+    ends at `seconds` by that line (within [least, most]). How many that is follows the core
+    (on 2026-12-07's Xeon the slowed engine learned 2.3-2.6x slower and took the 5th of a
+    burst of 8; CI's core once gave it none of 8), so the tests size their bursts by the
+    gateway's own lines."""
+    overhead, rate = line
+    return min(max(least, math.ceil((seconds - overhead) * rate / tokens)), most)
 
 
 async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_gateway):
@@ -122,7 +120,9 @@ async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_ga
         for _ in range(3):              # warm-up: both answer, both speeds are learned
             warm += await burst(client, gw, [chat(text(300), "hi") for _ in range(8)])
         lines = learned_lines(await metrics(client, gw))
-        size = overflowing_burst(lines, statistics.median(a["computed"] for a in warm))
+        # long enough that the fast engine's queue ends at twice the slow one's idle TTFT
+        tokens = statistics.median(a["computed"] for a in warm)
+        size = burst_until(lines["fast"], tokens, 2 * predicted_s(lines["slow"], tokens), 8, 32)
         answers = []
         for _ in range(4):
             answers += await burst(client, gw, [chat(text(300), "hi") for _ in range(size)])
@@ -132,7 +132,7 @@ async def test_the_slowed_engine_gets_less_of_the_uncached_work(engines, make_ga
     # engine got 0.14-0.19 of the fast one's work)
     assert 0 < work["slow"] <= 0.85 * work["fast"], (work, size, lines)
     # the learned lines: 1,000 tokens to compute take the slowed engine markedly longer
-    predicted = {n: overhead + 1000 / rate for n, (overhead, rate) in learned_lines(m).items()}
+    predicted = {n: predicted_s(line, 1000) for n, line in learned_lines(m).items()}
     assert predicted["slow"] >= 1.3 * predicted["fast"], predicted
 
 
@@ -150,12 +150,13 @@ async def test_a_busy_home_spills_and_an_idle_one_keeps_its_tenants(engines, mak
         # a burst of one tenant with long questions: its home takes them until the prefill
         # queued there costs more than computing the whole prompt on the other engine (beyond
         # the tie). How many that is follows which engine is home and the core, so the
-        # burst is sized by the gateway's own lines to queue twice past that point
+        # burst queues at the home twice past that point by the gateway's own lines
         home = next(iter(homes[0]))
         other = next(n for n in BUDGETS if n != home)
         probe = await send(client, gw, chat(tenants[0], text(250)))
         lines = learned_lines(await metrics(client, gw))
-        size = spilling_burst(lines, home, other, probe["computed"], probe["prompt"])
+        beyond_tie = BEYOND_TIE * predicted_s(lines[other], probe["prompt"])
+        size = burst_until(lines[home], probe["computed"], 2 * beyond_tie, 12, 64)
         answers = await burst(client, gw, [chat(tenants[0], text(250)) for _ in range(size)])
     at_home = [a for a in answers if a["upstream"] == home]
     # the home keeps at least the first (a slow home may keep only that one: its own prefill
