@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from prefixgate.backend import cpu_ops
+from prefixgate.backend import cpu_decode_layers, cpu_ops
 from prefixgate.backend.loader import cpu_flags
 
 log = logging.getLogger("prefixgate.engine")
@@ -64,6 +64,11 @@ class FewRowsLinear(nn.Module):
         self.weight = weight
         self.bias = bias
 
+    @property
+    def few_rows_weight(self) -> torch.Tensor:
+        """The row-major weight the few-rows kernel reads (cpu_decode_layers reads it too)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.linear(x, self.weight, self.bias)
 
@@ -83,6 +88,11 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.bias = None if bias is None else bias.detach().clone()
         self.weight = plain if keep_plain and cpu_ops.multiplies_bf16_rows() else None
+
+    @property
+    def few_rows_weight(self) -> torch.Tensor | None:
+        """The plain weight kept for the few-rows kernel, or None (cpu_decode_layers reads it)."""
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and cpu_ops.takes_few_rows(x, self.weight):
@@ -145,8 +155,9 @@ def _replace_linears(model: nn.Module, layer) -> int:
 def prepare_for_inference(model: nn.Module) -> int:
     """After loading: fuse the model's projections (every device and dtype) and, on CPU, load
     the compiled operators (backend/cpu_ops.py) and pack its linear layers where oneDNN can (bf16),
-    else route fp32 decode steps' products through the few-rows kernel; returns how many linears
-    were packed."""
+    else route fp32 decode steps' products through the few-rows kernel, and give the model its
+    compiled decode loop where it can run (cpu_decode_layers.py); returns how many linears were
+    packed."""
     model.fuse_projections()
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu" or weight.dtype not in cpu_ops.DTYPES:
@@ -155,4 +166,5 @@ def prepare_for_inference(model: nn.Module) -> int:
     packed = pack_linears(model)
     if not packed and weight.dtype == torch.float32 and cpu_ops.available():
         _replace_linears(model, FewRowsLinear)
+    cpu_decode_layers.attach(model)
     return packed

@@ -874,6 +874,9 @@ at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor 
                                    at::Tensor block_tables, at::Tensor seq_lens,
                                    at::Tensor query_start_loc, double scale);
 
+// cpu_decode_layers.cpp
+void register_decode_layers(pybind11::module& m);
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -890,6 +893,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("parallel_threads", &parallel_threads, "threads a parallel loop of N tasks ran on");
   m.attr("VECTOR_STEP") = kStep;   // head_dim must be a multiple of it
+  register_decode_layers(m);
 #ifdef CPU_CAPABILITY_AVX512
   m.def("few_rows_linear_bf16", &few_rows_linear_bf16,
         "x @ weight.T (+ bias) in bf16 for a few rows", py::arg("x"), py::arg("weight"),

@@ -32,9 +32,9 @@ from prefixgate.common.cache_root import cache_root
 
 log = logging.getLogger("prefixgate.engine")
 
-# compiled together into one extension: the module and its prefill attention
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_ops.cpp", "cpu_prefill_attention.cpp"))
+# compiled together into one extension: the module, its prefill attention, its decode loop
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ("cpu_ops.cpp", "cpu_prefill_attention.cpp", "cpu_decode_layers.cpp"))
 # at::vec's instruction sets, best first: the flags /proc/cpuinfo must show and the compiler's
 AVX512 = ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])
@@ -46,8 +46,10 @@ OPENMP = ["-fopenmp"]
 
 _ops = None                 # the compiled module once loaded; False: unavailable (tried once)
 # what plain() can turn off: the elementwise steps, decode and prefill attention in place, the
-# KV cache's scatter, the few-rows products
-PARTS = ("elementwise", "decode_attention", "prefill_attention", "write_kv", "few_rows")
+# KV cache's scatter, the few-rows products, a decode step's layers in one call
+# (cpu_decode_layers.py)
+PARTS = ("elementwise", "decode_attention", "prefill_attention", "write_kv", "few_rows",
+         "decode_layers")
 _off: frozenset[str] = frozenset()      # inside plain(): these parts run as PyTorch's operators
 
 
@@ -206,9 +208,15 @@ def write_kv_(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def decodes_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention takes these queries over this cache: a CPU cache of q's
-    dtype (no FP8 scales), head_dim a multiple of the vector step (64 and 128 are)."""
+    dtype (no FP8 scales), a head_dim it reads (fits_heads)."""
     return (uses_fused(q, "decode_attention") and k_cache.dtype == q.dtype
-            and q.shape[-1] % _ops.VECTOR_STEP == 0)
+            and fits_heads(q.shape[-1]))
+
+
+def fits_heads(head_dim: int) -> bool:
+    """Whether the attention kernels read heads of head_dim: a multiple of the vector step (64
+    and 128 are). False until the operators are loaded."""
+    return bool(_ops) and head_dim % _ops.VECTOR_STEP == 0
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
@@ -226,7 +234,7 @@ def prefills_in_place(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     cache on a CPU, head_dim a multiple of the vector step. (bf16 stays with SDPA, whose CPU
     kernel multiplies bf16 natively where the CPU can.)"""
     return (uses_fused(q, "prefill_attention") and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and q.shape[-1] % _ops.VECTOR_STEP == 0)
+            and k_cache.dtype == torch.float32 and fits_heads(q.shape[-1]))
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -259,14 +267,24 @@ def multiplies_bf16_rows() -> bool:
     return hasattr(_ops, "few_rows_linear_bf16")
 
 
+def few_rows_of(dtype: torch.dtype) -> range:
+    """The row counts a few-rows kernel multiplies in `dtype` (empty: none)."""
+    if dtype == torch.float32:
+        return FEW_ROWS
+    return FEW_ROWS_BF16 if dtype == torch.bfloat16 and multiplies_bf16_rows() else range(0)
+
+
+def multiplies_weight(weight: torch.Tensor) -> bool:
+    """Whether the few-rows kernel of the weight's dtype takes this weight's shape."""
+    if not weight.is_contiguous():
+        return False
+    return weight.shape[0] >= 4 if weight.dtype == torch.float32 else weight.shape[0] % 8 == 0
+
+
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` goes through a few-rows kernel rather than F.linear."""
-    if not (uses_fused(x, "few_rows") and x.dim() == 2 and weight.is_contiguous()):
-        return False
-    if x.dtype == torch.float32:
-        return x.shape[0] in FEW_ROWS and weight.shape[0] >= 4
-    return (x.shape[0] in FEW_ROWS_BF16 and weight.shape[0] % 8 == 0
-            and multiplies_bf16_rows())
+    return (uses_fused(x, "few_rows") and x.dim() == 2 and x.shape[0] in few_rows_of(x.dtype)
+            and multiplies_weight(weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,3 +310,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return _ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def decode_layers(*weights_and_shape):
+    """cpu_decode_layers.cpp's DecodeLayers (the operators must be loaded): per layer the
+    input norm's, q/k/v's (and bias), the output product's (and bias), the post-attention
+    norm's, gate/up's and down's weights, then heads, KV heads, head_dim, eps and scale."""
+    return _ops.DecodeLayers(*weights_and_shape)

@@ -258,12 +258,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # on a CPU, the layers of a decode step in one compiled call (cpu_decode_layers.py)
+        self.decode_layers = None
 
     def forward(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, meta, kv_cache)
+        if self.decode_layers is not None and self.decode_layers.takes(x, meta, kv_caches):
+            x, residual = self.decode_layers(x, cos, sin, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, meta, kv_cache)
         return self.norm.add_and_norm(x, residual)
 
 
