@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <tuple>
@@ -478,21 +479,31 @@ struct PagedRows {
   }
 };
 
+// The online softmax's state of R query rows over some of a sequence's cached tokens: the
+// rows' running max, the sum of exp(score - max), and the values weighted by those exps.
+struct Partial {
+  std::vector<float> acc, max, sum;
+  Partial(int64_t R, int64_t D)
+      : acc(R * D, 0.f), max(R, -std::numeric_limits<float>::infinity()), sum(R, 0.f) {}
+};
+
 // `heads` consecutive KV heads of one sequence (all of them, or one where there are fewer
-// sequences than threads) with the G query heads that share each: online softmax over the
-// cache's blocks (per head the block's scores, the running max and sum updated once per block,
-// then the block's values), everything in fp32. Taking a block's every head in turn reads it as
-// one range of memory rather than a strided slice per head. q_rows: heads * G rows of D,
-// pre-scaled; out: as many rows of D.
+// sequences than threads) with the G query heads that share each, over the cached positions
+// [begin, end) (begin at a block's first row): online softmax over the cache's blocks (per head
+// the block's scores, the running max and sum updated once per block, then the block's values),
+// everything in fp32, into `part`. Taking a block's every head in turn reads it as one range of
+// memory rather than a strided slice per head. q_rows: heads * G rows of D, pre-scaled.
 template <typename T>
 void attend_heads(const float* q_rows, int64_t heads, int64_t G, int64_t D, const T* k_base,
-                  const T* v_base, const PagedRows& rows, T* out) {
-  const int64_t R = heads * G, width = (rows.block_size + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> acc(R * D, 0.f), probs(G * width);
-  std::vector<float> running_max(R, -std::numeric_limits<float>::infinity()), sum(R, 0.f);
-  for (int64_t start = 0; start < rows.length; start += rows.block_size) {
-    const int64_t n = std::min(rows.block_size, rows.length - start);
-    BlockPrefetch ahead = rows.prefetch_of(k_base, v_base, start + rows.block_size, heads, D);
+                  const T* v_base, const PagedRows& rows, int64_t begin, int64_t end,
+                  Partial& part) {
+  const int64_t width = (rows.block_size + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> probs(G * width);
+  float* acc = part.acc.data();
+  for (int64_t start = begin; start < end; start += rows.block_size) {
+    const int64_t n = std::min(rows.block_size, end - start);
+    BlockPrefetch ahead = start + rows.block_size < end
+        ? rows.prefetch_of(k_base, v_base, start + rows.block_size, heads, D) : BlockPrefetch{};
     for (int64_t h = 0; h < heads; ++h) {
       const T* k_block = rows.block(k_base + h * D, start);
       const T* v_block = rows.block(v_base + h * D, start);
@@ -508,20 +519,48 @@ void attend_heads(const float* q_rows, int64_t heads, int64_t G, int64_t D, cons
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        const float factor = softmax_step(probs.data() + g * width, n, running_max[r0 + g],
-                                          sum[r0 + g]);
+        const float factor = softmax_step(probs.data() + g * width, n, part.max[r0 + g],
+                                          part.sum[r0 + g]);
         if (factor != 1.f) {
           for (int64_t i = 0; i < D; ++i) acc[(r0 + g) * D + i] *= factor;
         }
       }
-      add_all_values(acc.data() + r0 * D, probs.data(), width, G, v_block, rows.token_stride, n, D,
+      add_all_values(acc + r0 * D, probs.data(), width, G, v_block, rows.token_stride, n, D,
                      ahead);
     }
   }
+}
+
+// out's R rows of D: the parts' weighted values, each rescaled to the rows' largest running
+// max, over the parts' sums (one part: acc / sum, nothing rescaled); no cached token: zeros.
+template <typename T>
+void merge_parts(const Partial* parts, int64_t n_parts, int64_t R, int64_t D, T* out) {
   for (int64_t r = 0; r < R; ++r) {
-    const float inverse = sum[r] > 0.f ? 1.f / sum[r] : 0.f;    // no cached token: zeros
-    for (int64_t i = 0; i < D; ++i) out[r * D + i] = T(acc[r * D + i] * inverse);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n_parts; ++p) top = std::max(top, parts[p].max[r]);
+    std::vector<float> weights(n_parts, 0.f);
+    float total = 0.f;
+    for (int64_t p = 0; p < n_parts; ++p) {
+      if (parts[p].sum[r] > 0.f) weights[p] = n_parts == 1 ? 1.f : std::exp(parts[p].max[r] - top);
+      total += parts[p].sum[r] * weights[p];
+    }
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      float value = 0.f;
+      for (int64_t p = 0; p < n_parts; ++p) value += parts[p].acc[r * D + i] * weights[p];
+      out[r * D + i] = T(value * inverse);
+    }
   }
+}
+
+// Into how many position ranges each (sequence, KV head) task is split so that `tasks` of them
+// spread evenly over the threads (SmolLM2's 3 KV heads of one sequence on 2 threads: 2:1, so
+// 6 halves); 1 where they already do, or where the longest sequence is too short to be worth
+// merging (fewer than kMinBlocksPerSplit blocks a range).
+constexpr int64_t kMinBlocksPerSplit = 8;
+int64_t splits_for(int64_t tasks, int64_t threads, int64_t longest_blocks) {
+  const int64_t splits = threads / std::gcd(tasks, threads);
+  return longest_blocks >= splits * kMinBlocksPerSplit ? splits : 1;
 }
 
 }  // namespace
@@ -566,19 +605,41 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
     const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
-    // a task per sequence (its every KV head) where there are enough for the threads
-    const int64_t heads = S >= at::get_num_threads() ? Hkv : 1, runs = Hkv / heads;
-    at::parallel_for(0, S * runs, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_rows(heads * G * D);
+    // a task per sequence (its every KV head) where there are enough for the threads, else
+    // per KV head, each split into position ranges where that spreads them evenly
+    const int64_t threads = at::get_num_threads();
+    const int64_t heads = S >= threads ? Hkv : 1, runs = Hkv / heads, R = heads * G;
+    const int64_t longest = *std::max_element(lens, lens + S);
+    const int64_t splits = heads == Hkv ? 1
+        : splits_for(S * runs, threads, (longest + block_size - 1) / block_size);
+    std::vector<Partial> parts(splits == 1 ? 0 : S * runs * splits, Partial(R, D));
+    at::parallel_for(0, S * runs * splits, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q_rows(R * D);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / runs, j = task % runs * heads;     // its first KV head
+        const int64_t s = task / (runs * splits), j = task / splits % runs * heads;
+        const int64_t split = task % splits;
         const T* q_head = qp + s * q.stride(0) + j * G * D;
-        for (int64_t i = 0; i < heads * G * D; ++i) q_rows[i] = float(q_head[i]) * float(scale);
+        for (int64_t i = 0; i < R * D; ++i) q_rows[i] = float(q_head[i]) * float(scale);
         PagedRows rows{tables + s * max_blocks, lens[s], block_size, Hkv * D, block_size * Hkv * D};
-        attend_heads(q_rows.data(), heads, G, D, kp + j * D, vp + j * D, rows,
-                     op + (s * H + j * G) * D);
+        const int64_t blocks = (lens[s] + block_size - 1) / block_size;
+        const int64_t first = blocks * split / splits, last = blocks * (split + 1) / splits;
+        T* out_rows = op + (s * H + j * G) * D;
+        if (splits == 1) {
+          Partial part(R, D);
+          attend_heads(q_rows.data(), heads, G, D, kp + j * D, vp + j * D, rows, 0, lens[s],
+                       part);
+          merge_parts(&part, 1, R, D, out_rows);
+        } else {
+          attend_heads(q_rows.data(), heads, G, D, kp + j * D, vp + j * D, rows,
+                       first * block_size, std::min<int64_t>(last * block_size, lens[s]),
+                       parts[task]);
+        }
       }
     });
+    for (int64_t first = 0; first < int64_t(parts.size()); first += splits) {
+      const int64_t s = first / (runs * splits), j = first / splits % runs * heads;
+      merge_parts(parts.data() + first, splits, R, D, op + (s * H + j * G) * D);
+    }
   });
   return out;
 }
