@@ -114,7 +114,8 @@ def paged(lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype, bloc
     ([100, 3, 41], 14, 2, 64, 16),          # 7 query heads a KV head: summed 3 + 3 + 1 at a time
     ([45, 9], 6, 3, 64, 8),                 # blocks narrower than an AVX-512 vector of scores
     ([70, 33], 6, 2, 64, 32),               # blocks of several vectors of scores
-])
+    ([600, 5], 9, 3, 64, 16),               # 4 threads: 6 KV heads' tasks split in two ranges
+])                                          # each, the short sequence's first range empty
 @pytest.mark.parametrize("threads", [1, 4])   # 4: more threads than sequences, a task per KV head
 def test_decode_attention_reads_the_paged_cache_in_place_as_the_reference_does(
         ops, dtype, lens, heads, kv_heads, head_dim, block, threads):
