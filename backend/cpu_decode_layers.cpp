@@ -14,9 +14,11 @@
 // post-attention norm, gate/up in one product, silu-and-multiply, the down product. Only for the
 // few rows the few-rows products take (cpu_ops.py decides); everything else keeps the modules.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -38,39 +40,67 @@ namespace {
 
 using Bias = std::optional<at::Tensor>;
 
-// x @ weight.T (+ bias) by the few-rows kernel of x's dtype
-at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const Bias& bias) {
-#ifdef CPU_CAPABILITY_AVX512
-  if (x.scalar_type() == at::kBFloat16) return few_rows_linear_bf16(x, weight, bias);
-#endif
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16 few-rows products need AVX-512");
-  return few_rows_linear(x, weight, bias);
+// oneDNN's product against a prepacked weight (cpu_linear.PackedLinear's), as torch's
+// mkldnn::_linear_pointwise operator computes it for the modules
+at::Tensor packed_product(const at::Tensor& x, const at::Tensor& packed, const Bias& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<std::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 std::string_view(""));
 }
 
+// One projection: its plain weight for the few-rows kernel, its packed one (bf16) for more rows.
+struct Product {
+  at::Tensor plain;
+  std::optional<at::Tensor> packed;
+  Bias bias;
+
+  // x @ weight.T (+ bias): the few-rows kernel of x's dtype up to `few_rows` rows, else oneDNN's
+  at::Tensor operator()(const at::Tensor& x, int64_t few_rows) const {
+    if (x.size(0) > few_rows) {
+      TORCH_CHECK(packed.has_value(), "more rows than the few-rows kernel takes, no packed weight");
+      return packed_product(x, *packed, bias);
+    }
+#ifdef CPU_CAPABILITY_AVX512
+    if (x.scalar_type() == at::kBFloat16) return few_rows_linear_bf16(x, plain, bias);
+#endif
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16 few-rows products need AVX-512");
+    return few_rows_linear(x, plain, bias);
+  }
+};
+
 struct Layer {
-  at::Tensor input_norm, qkv;
-  Bias qkv_bias;
-  at::Tensor o;
-  Bias o_bias;
-  at::Tensor post_norm, gate_up, down;
+  at::Tensor input_norm;
+  Product qkv, o;
+  at::Tensor post_norm;
+  Product gate_up, down;
 };
 
 class DecodeLayers {
  public:
-  DecodeLayers(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> qkv,
-               std::vector<Bias> qkv_biases, std::vector<at::Tensor> o,
-               std::vector<Bias> o_biases, std::vector<at::Tensor> post_norms,
-               std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+  // Per layer: the input norm's weight, q/k/v's, the output product's, the post-attention
+  // norm's, gate/up's and down's; each product's plain weight, packed weight (or None) and bias
+  // (or None) in lists of their own, in that order of products.
+  DecodeLayers(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms,
+               std::vector<at::Tensor> plain, std::vector<std::optional<at::Tensor>> packed,
+               std::vector<Bias> biases, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               int64_t few_rows, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), few_rows_(few_rows), eps_(eps),
+        scale_(scale) {
     const size_t n = input_norms.size();
-    TORCH_CHECK(qkv.size() == n && qkv_biases.size() == n && o.size() == n &&
-                    o_biases.size() == n && post_norms.size() == n && gate_up.size() == n &&
-                    down.size() == n,
+    TORCH_CHECK(post_norms.size() == n && plain.size() == 4 * n && packed.size() == 4 * n &&
+                    biases.size() == 4 * n,
                 "one of each weight per layer");
     for (size_t i = 0; i < n; ++i) {
-      layers_.push_back({input_norms[i], qkv[i], qkv_biases[i], o[i], o_biases[i],
-                         post_norms[i], gate_up[i], down[i]});
+      auto product = [&](size_t j) {
+        return Product{plain[4 * i + j], packed[4 * i + j], biases[4 * i + j]};
+      };
+      layers_.push_back({input_norms[i], product(0), product(1), post_norms[i], product(2),
+                         product(3)});
     }
   }
 
@@ -84,30 +114,28 @@ class DecodeLayers {
                                              at::Tensor seq_lens) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one k and v cache per layer");
-    const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
+    const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_, F = few_rows_;
     at::Tensor residual = x;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       at::Tensor h = i == 0 ? rms_norm(x, layer.input_norm, eps_)
                             : add_rms_norm(x, residual, layer.input_norm, eps_);
-      at::Tensor qkv = product(h, layer.qkv, layer.qkv_bias).view({T, H + 2 * Hkv, D});
+      at::Tensor qkv = layer.qkv(h, F).view({T, H + 2 * Hkv, D});
       rope_(qkv, H + Hkv, cos, sin);
       at::Tensor q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, Hkv);
       at::Tensor v = qkv.narrow(1, H + Hkv, Hkv);
       write_kv_(k, v, k_caches[i], v_caches[i], slot_mapping);
       at::Tensor attended = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables,
                                                    seq_lens, scale_);
-      h = product(attended.view({T, H * D}), layer.o, layer.o_bias);
-      h = add_rms_norm(h, residual, layer.post_norm, eps_);
-      x = product(silu_and_mul(product(h, layer.gate_up, std::nullopt)), layer.down,
-                  std::nullopt);
+      h = add_rms_norm(layer.o(attended.view({T, H * D}), F), residual, layer.post_norm, eps_);
+      x = layer.down(silu_and_mul(layer.gate_up(h, F)), F);
     }
     return {x, residual};
   }
 
  private:
   std::vector<Layer> layers_;
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_, few_rows_;
   double eps_, scale_;
 };
 
@@ -117,9 +145,8 @@ namespace py = pybind11;
 
 void register_decode_layers(py::module& m) {
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Bias>,
-                    std::vector<at::Tensor>, std::vector<Bias>, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                    int64_t, double, double>())
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<std::optional<at::Tensor>>, std::vector<Bias>, int64_t, int64_t,
+                    int64_t, int64_t, double, double>())
       .def("forward", &DecodeLayers::forward);
 }

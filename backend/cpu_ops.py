@@ -313,7 +313,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_layers(*weights_and_shape):
-    """cpu_decode_layers.cpp's DecodeLayers (the operators must be loaded): per layer the
-    input norm's, q/k/v's (and bias), the output product's (and bias), the post-attention
-    norm's, gate/up's and down's weights, then heads, KV heads, head_dim, eps and scale."""
+    """cpu_decode_layers.cpp's DecodeLayers (the operators must be loaded): the layers' input
+    norm and post-attention norm weights, then their products' (q/k/v, output, gate/up, down of
+    each layer in turn) plain weights, packed weights (or None) and biases (or None), then
+    heads, KV heads, head_dim, the few-rows kernel's most rows, eps and scale."""
     return _ops.DecodeLayers(*weights_and_shape)
