@@ -60,7 +60,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixgate.backend import kv_transfer
-from prefixgate.backend.async_engine import AsyncEngine
+from prefixgate.backend.async_engine import AsyncEngine, engine_thread
 from prefixgate.backend.config import DEFAULT_MAX_TOKENS, ServerArgs
 from prefixgate.backend.engine import LLMEngine
 from prefixgate.backend.metrics import EngineMetrics
@@ -546,8 +546,14 @@ async def start_server(args: ServerArgs | None = None, *, host: str | None = Non
     args = args or ServerArgs()
     host = host or args.host
     sock = listener(args.listen_fd)         # a bad --listen-fd fails before the model loads
-    core = engine or await asyncio.to_thread(LLMEngine, args.engine)
-    async_engine = AsyncEngine(core, warm_up=args.warm_up)
+    thread = engine_thread()                # builds it too: one OpenMP team (async_engine.py)
+    try:
+        core = engine or await asyncio.get_running_loop().run_in_executor(thread, LLMEngine,
+                                                                          args.engine)
+    except BaseException:
+        thread.shutdown(wait=False)
+        raise
+    async_engine = AsyncEngine(core, warm_up=args.warm_up, thread=thread)
     kv = kv_transfer.KVTransfer(async_engine, host)
     metrics = EngineMetrics(core, kv.stats)
     async_engine.on_step = lambda outs: metrics.observe(outs, time.monotonic())
@@ -562,6 +568,7 @@ async def start_server(args: ServerArgs | None = None, *, host: str | None = Non
         await kv.close()
         if engine is None:          # ours: let its tier and KV event sockets go
             await asyncio.to_thread(core.close)
+        thread.shutdown(wait=False)
         raise
     tracer = server.tracer = tracing.Tracing(args.tracing) if args.tracing else None
     async_engine.start()            # the warm-up first, then the step loop
