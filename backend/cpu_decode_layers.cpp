@@ -7,12 +7,13 @@
 // whose floor (every weight read once at the memory's speed) is 18 ms. Here the same kernels
 // run layer after layer from C++ (vLLM and SGLang get there with torch.compile and CPU graphs).
 //
-// What: DecodeLayers holds each layer's weights (plain, row-major: the few-rows products' own)
-// and runs, per layer, exactly what backend/models/llama.py's DecoderLayer does: the residual
-// add with the input norm, q/k/v in one product, rotary embedding on q and k, the new k/v stored
-// in the paged cache, attention over it in place, the output product, the add with the
-// post-attention norm, gate/up in one product, silu-and-multiply, the down product. Only for the
-// few rows the few-rows products take (cpu_ops.py decides); everything else keeps the modules.
+// What: DecodeLayers holds each layer's weights (plain, row-major: the few-rows products' own;
+// in bf16 also the packed ones oneDNN multiplies more rows with) and runs, per layer, exactly
+// what backend/models/llama.py's DecoderLayer does: the residual add with the input norm, q/k/v
+// in one product, rotary embedding on q and k, the new k/v stored in the paged cache, attention
+// over it in place, the output product, the add with the post-attention norm, gate/up in one
+// product, silu-and-multiply, the down product. Only for the decode steps whose every operator
+// the modules would send to these kernels (cpu_decode_layers.py decides); others keep them.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
