@@ -1,20 +1,24 @@
 """One thread builds, warms up and steps the engine (backend/async_engine.py): on a CPU, libgomp
 gives every thread that starts parallel loops a team of its own, and once there are more team
 threads than cores every loop waits for a wake-up. The server builds its engine on the thread
-that steps it; an engine stepped on another thread says so, once, in the log."""
+that steps it; an engine stepped on another thread says so, once, in the log; the P/D KV send,
+which reads blocks off the engine thread, starts no team."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 
 from prefixgate.backend.cli import parse_args
 from prefixgate.backend.config import EngineArgs
 from prefixgate.backend.engine import LLMEngine
+from prefixgate.backend.kv_transfer import _gather
 from prefixgate.backend.sampling import SamplingParams
 from prefixgate.backend.server import start_server
 
@@ -56,3 +60,17 @@ def test_an_engine_stepped_on_another_thread_says_so_once(caplog, two_threads):
                 other.submit(engine.step).result()
     assert caplog.text.count(WARNING) == 1
     engine.close()
+
+
+def test_the_kv_send_reads_blocks_off_the_engine_thread_without_a_team_of_its_own(two_threads):
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(4096, 16, 4, 64, generator=g).bfloat16() for _ in range(2))
+    idx = torch.randperm(4096, generator=g)[:2000]
+    expected = torch.cat((k.view(torch.uint8)[idx], v.view(torch.uint8)[idx])).reshape(-1)
+    with ThreadPoolExecutor(1) as other:
+        other.submit(int).result()              # the thread is there before the count
+        before = set(os.listdir("/proc/self/task"))
+        got = other.submit(_gather, (k, v), idx).result()
+        started = set(os.listdir("/proc/self/task")) - before
+    assert np.array_equal(got, expected.numpy())
+    assert not started          # no OpenMP workers for a second team (torch's indexing: one)
