@@ -535,13 +535,15 @@ void attend_heads(const float* q_rows, int64_t heads, int64_t G, int64_t D, cons
 // max, over the parts' sums (one part: acc / sum, nothing rescaled); no cached token: zeros.
 template <typename T>
 void merge_parts(const Partial* parts, int64_t n_parts, int64_t R, int64_t D, T* out) {
+  std::vector<float> weights(n_parts);
   for (int64_t r = 0; r < R; ++r) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < n_parts; ++p) top = std::max(top, parts[p].max[r]);
-    std::vector<float> weights(n_parts, 0.f);
     float total = 0.f;
     for (int64_t p = 0; p < n_parts; ++p) {
-      if (parts[p].sum[r] > 0.f) weights[p] = n_parts == 1 ? 1.f : std::exp(parts[p].max[r] - top);
+      weights[p] = parts[p].sum[r] <= 0.f ? 0.f
+                   : n_parts == 1    ? 1.f
+                                     : std::exp(parts[p].max[r] - top);
       total += parts[p].sum[r] * weights[p];
     }
     const float inverse = total > 0.f ? 1.f / total : 0.f;
